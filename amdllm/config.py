@@ -1,0 +1,220 @@
+"""LlamaConfig: the shape of a Llama model, read from and written to Hugging Face `config.json`.
+
+One frozen dataclass carries every number the model, the checkpoint loader and the planner need.
+It reads both spellings of RoPE settings that exist in the wild:
+  * transformers < 5:  "rope_theta": 500000.0, "rope_scaling": {"rope_type"|"type": "llama3", ...}
+  * transformers >= 5: "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, ...}
+and writes both, so old and new readers (transformers 4/5, GPTQModel, vLLM) agree with us.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+
+class ConfigError(ValueError):
+    """A config.json we cannot honour; the message names the file and the setting."""
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None  # None -> multi-head (== num_attention_heads)
+    head_dim: int | None = None  # None -> hidden_size // num_attention_heads
+    rope_theta: float = 10000.0
+    # None (plain RoPE) or a dict like {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+    # "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    rope_scaling: dict | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+    pad_token_id: int | None = None
+    max_position_embeddings: int = 2048
+    torch_dtype: str = "float32"  # dtype the checkpoint is stored in (informational)
+    extra: dict = field(default_factory=dict, compare=False, repr=False)  # unknown keys kept for round trips
+
+    def __post_init__(self):
+        if self.num_key_value_heads is None:
+            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}")
+        if self.rope_scaling is not None:
+            rtype = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+            if rtype not in SUPPORTED_ROPE_TYPES:
+                raise ConfigError(f"rope_scaling type {rtype!r} is not implemented; amdllm supports "
+                                  f"{SUPPORTED_ROPE_TYPES}")
+            if rtype == "default":
+                object.__setattr__(self, "rope_scaling", None)
+            else:
+                rs = dict(self.rope_scaling)
+                rs.pop("type", None)
+                rs.pop("rope_theta", None)
+                rs["rope_type"] = rtype
+                for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+                    if k not in rs:
+                        raise ConfigError(f"rope_scaling of type 'llama3' needs {k!r}; got keys {sorted(rs)}")
+                object.__setattr__(self, "rope_scaling", rs)
+
+    # ---- derived sizes ----
+    @property
+    def q_dim(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        e = self.eos_token_id
+        if e is None:
+            return ()
+        return tuple(e) if isinstance(e, (list, tuple)) else (int(e),)
+
+    def num_params(self, include_embeddings: bool = True) -> int:
+        d, f, L, V = self.hidden_size, self.intermediate_size, self.num_hidden_layers, self.vocab_size
+        per_layer = d * self.q_dim + 2 * d * self.kv_dim + self.q_dim * d + 3 * d * f + 2 * d
+        n = L * per_layer + d
+        if include_embeddings:
+            n += V * d * (1 if self.tie_word_embeddings else 2)
+        return n
+
+    def replace(self, **kw) -> "LlamaConfig":
+        return dataclasses.replace(self, **kw)
+
+    # ---- HF config.json ----
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "config") -> "LlamaConfig":
+        mt = d.get("model_type")
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(f"{source}: model_type {mt!r} is not supported; amdllm loads {SUPPORTED_MODEL_TYPES}")
+        archs = d.get("architectures") or ["LlamaForCausalLM"]
+        bad = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
+        if bad:
+            raise ConfigError(f"{source}: architectures {bad} not supported; expected {SUPPORTED_ARCHITECTURES}")
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"{source}: hidden_act {act!r} not supported; Llama uses 'silu'")
+        for flag in ("attention_bias", "mlp_bias"):
+            if d.get(flag):
+                raise ConfigError(f"{source}: {flag}=true is not supported (Llama has no biases)")
+        if d.get("pretraining_tp", 1) not in (1, None):
+            raise ConfigError(f"{source}: pretraining_tp={d['pretraining_tp']} is not supported; use 1")
+        rp = d.get("rope_parameters")
+        if isinstance(rp, dict):
+            theta = float(rp.get("rope_theta", d.get("rope_theta", 10000.0)))
+            scaling = rp if rp.get("rope_type", "default") != "default" else None
+        else:
+            theta = float(d.get("rope_theta", 10000.0))
+            scaling = d.get("rope_scaling")
+        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        missing = [k for k in required if k not in d]
+        if missing:
+            raise ConfigError(f"{source}: missing required keys {missing}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        extra = {k: v for k, v in d.items() if k not in known and k not in ("rope_parameters", "rope_scaling")}
+        try:
+            return cls(
+                vocab_size=int(d["vocab_size"]), hidden_size=int(d["hidden_size"]),
+                intermediate_size=int(d["intermediate_size"]), num_hidden_layers=int(d["num_hidden_layers"]),
+                num_attention_heads=int(d["num_attention_heads"]),
+                num_key_value_heads=d.get("num_key_value_heads"), head_dim=d.get("head_dim"),
+                rope_theta=theta, rope_scaling=scaling, rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"),
+                pad_token_id=d.get("pad_token_id"),
+                max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+                torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"), extra=extra)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> "LlamaConfig":
+        """Read `path` (a config.json, or a checkpoint directory containing one)."""
+        p = Path(path)
+        if p.is_dir():
+            p = p / "config.json"
+        if not p.is_file():
+            raise ConfigError(f"{p}: config.json not found (is this a Hugging Face checkpoint directory?)")
+        try:
+            d = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{p}: not valid JSON ({e})") from None
+        return cls.from_dict(d, source=str(p))
+
+    def to_dict(self) -> dict[str, Any]:
+        rope_parameters = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling:
+            rope_parameters = {**self.rope_scaling, "rope_theta": self.rope_theta}
+        d = dict(self.extra)
+        d.update({
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings, "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id, "pad_token_id": self.pad_token_id,
+            "max_position_embeddings": self.max_position_embeddings,
+            "attention_bias": False, "mlp_bias": False, "torch_dtype": self.torch_dtype,
+            # legacy spelling (transformers < 5, GPTQModel, vLLM) and new spelling (transformers >= 5)
+            "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling,
+            "rope_parameters": rope_parameters,
+        })
+        return d
+
+    def to_json(self, path: str | os.PathLike) -> None:
+        from amdllm.io import atomic_write_text
+        p = Path(path)
+        if p.is_dir():
+            p = p / "config.json"
+        atomic_write_text(p, json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+
+
+_L3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+_L32_SCALING = {**_L3_SCALING, "factor": 32.0}
+
+# Published shapes, for planning (no weights). Sources: the models' config.json on the Hugging Face hub.
+PRESETS: dict[str, LlamaConfig] = {
+    "llama-3.1-8b": LlamaConfig(128256, 4096, 14336, 32, 32, 8, 128, 500000.0, _L3_SCALING, 1e-5, False,
+                                128000, [128001, 128008, 128009], None, 131072, "bfloat16"),
+    "llama-3.1-70b": LlamaConfig(128256, 8192, 28672, 80, 64, 8, 128, 500000.0, _L3_SCALING, 1e-5, False,
+                                 128000, [128001, 128008, 128009], None, 131072, "bfloat16"),
+    "llama-3.1-405b": LlamaConfig(128256, 16384, 53248, 126, 128, 8, 128, 500000.0, _L3_SCALING, 1e-5, False,
+                                  128000, [128001, 128008, 128009], None, 131072, "bfloat16"),
+    "llama-3.2-1b": LlamaConfig(128256, 2048, 8192, 16, 32, 8, 64, 500000.0, _L32_SCALING, 1e-5, True,
+                                128000, [128001, 128008, 128009], None, 131072, "bfloat16"),
+    "llama-3.2-3b": LlamaConfig(128256, 3072, 8192, 28, 24, 8, 128, 500000.0, _L32_SCALING, 1e-5, True,
+                                128000, [128001, 128008, 128009], None, 131072, "bfloat16"),
+    "llama-2-7b": LlamaConfig(32000, 4096, 11008, 32, 32, 32, 128, 10000.0, None, 1e-5, False,
+                              1, 2, None, 4096, "float16"),
+    "llama-2-13b": LlamaConfig(32000, 5120, 13824, 40, 40, 40, 128, 10000.0, None, 1e-5, False,
+                               1, 2, None, 4096, "float16"),
+    "vicuna-13b": LlamaConfig(32000, 5120, 13824, 40, 40, 40, 128, 10000.0, None, 1e-6, False,
+                              1, 2, 0, 2048, "float16"),
+}
+
+
+def get_preset(name: str) -> LlamaConfig:
+    key = name.lower()
+    if key not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
+    return PRESETS[key]
