@@ -1,0 +1,252 @@
+"""Run the course notebooks headless, and keep them clean in git.
+
+    python -m amdllm.notebooks run --out build [--quick] [--only 01,03] [--timeout 1200]
+    python -m amdllm.notebooks strip [--check] [NOTEBOOK ...]
+
+`run` executes each notebook with papermill: the runner's values are injected after the cell tagged
+`parameters` (always `quick` and `results_path`; with --quick also the small sizes in QUICK_PARAMS),
+the executed copy is written to OUT/<name>.ipynb, and each notebook's final cell writes its key
+results as JSON to `results_path` (OUT/<name>.results.json) after asserting them. The runner
+collects those into OUT/summary.json and prints a one-screen summary. One failing notebook does not
+stop the others; the exit status is 1 if any failed.
+
+`strip` removes outputs, execution counts and per-run metadata (papermill's, widget state) so that
+notebooks are committed clean; `--check` only reports and exits 1 if any notebook is not clean.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+
+from amdllm.io import atomic_write_text
+
+REPO = Path(__file__).resolve().parent.parent
+NOTEBOOK_DIR = REPO / "notebooks"
+NOTEBOOKS = ("00_setup", "01_weight_conversion", "02_mesh_sharding", "03_lora_finetuning",
+             "04_gptq_quantization", "05_inference_and_serving")
+
+# Small sizes for `make test` (each notebook also reads `quick` for anything not listed here).
+QUICK_PARAMS: dict[str, dict] = {
+    "03_lora_finetuning": {"train_steps": 60, "eval_examples": 24},
+    "04_gptq_quantization": {"calib_samples": 8, "eval_tokens": 2048},
+    "05_inference_and_serving": {"max_new_tokens": 16},
+}
+
+# Which recorded results the summary shows, per notebook: (results key, label, format).
+SUMMARY_FIELDS: dict[str, list[tuple[str, str, str]]] = {
+    "00_setup": [("backend", "backend", "{}"), ("devices", "devices", "{}"),
+                 ("cpu_fallback_warning", "silent-CPU-fallback warning", "{}")],
+    "01_weight_conversion": [("max_abs_logit_diff", "parity max |logit diff| vs transformers", "{:.2e}"),
+                             ("greedy_match", "greedy tokens equal to transformers", "{}"),
+                             ("roundtrip_max_diff", "save->transformers reload max diff", "{:.2e}")],
+    "02_mesh_sharding": [("mesh", "mesh", "{}"),
+                         ("sharded_max_diff", "sharded vs single-device logits", "{:.2e}"),
+                         ("llama405b_mfu_at_35tps", "405B @ 35 tok/s on 8x MI300X: MFU", "{:.2%}")],
+    "03_lora_finetuning": [("accuracy_before", "task accuracy before LoRA", "{:.1%}"),
+                           ("accuracy_after", "task accuracy after LoRA", "{:.1%}"),
+                           ("tokens_per_second", "training tokens/s", "{:.0f}"),
+                           ("peft_max_diff", "our logits vs peft-loaded adapter", "{:.2e}")],
+    "04_gptq_quantization": [("ppl_fp", "perplexity fp32", "{:.3f}"),
+                             ("ppl_rtn4", "perplexity RTN 4-bit", "{:.3f}"),
+                             ("ppl_gptq4", "perplexity GPTQ 4-bit", "{:.3f}"),
+                             ("ppl_rtn3", "perplexity RTN 3-bit", "{:.3f}"),
+                             ("ppl_gptq3", "perplexity GPTQ 3-bit", "{:.3f}"),
+                             ("size_fp_mb", "size fp32 (MB)", "{:.2f}"),
+                             ("size_gptq4_mb", "size GPTQ 4-bit (MB)", "{:.2f}")],
+    "05_inference_and_serving": [("tokens_per_second", "decode tokens/s (fp / int4 / int4+LoRA)", "{}"),
+                                 ("server_ok", "amdllm serve answered the openai client", "{}")],
+}
+
+
+def _params_for(name: str, quick: bool, results_path: Path, extra: dict | None) -> dict:
+    params = {"quick": bool(quick), "results_path": str(results_path)}
+    if quick:
+        params.update(QUICK_PARAMS.get(name, {}))
+    params.update(extra or {})
+    return params
+
+
+def _kernel_env() -> None:
+    """The kernel is a child process: it must import this checkout's amdllm even when not installed."""
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if str(REPO) not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), *paths])
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+
+
+def run_one(name: str, out: str | os.PathLike, *, quick: bool = False, timeout: int = 1200,
+            parameters: dict | None = None, kernel: str = "python3") -> dict:
+    """Execute notebooks/<name>.ipynb into OUT/<name>.ipynb; return {name, ok, seconds, results, error}."""
+    import papermill as pm
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    src = NOTEBOOK_DIR / f"{name}.ipynb"
+    if not src.exists():
+        raise FileNotFoundError(f"{src}: no such notebook (known: {', '.join(NOTEBOOKS)})")
+    results_path = out / f"{name}.results.json"
+    results_path.unlink(missing_ok=True)  # a stale file must not pass for this run's results
+    _kernel_env()
+    t0 = time.time()
+    rec = {"name": name, "ok": False, "seconds": None, "results": None, "error": None,
+           "executed": str(out / f"{name}.ipynb")}
+    try:
+        # cwd = notebooks/ so that relative paths in a notebook (solutions/, ../data) work as in Jupyter
+        pm.execute_notebook(str(src), rec["executed"], parameters=_params_for(name, quick, results_path, parameters),
+                            kernel_name=kernel, cwd=str(NOTEBOOK_DIR), execution_timeout=timeout,
+                            progress_bar=False, log_output=False, report_mode=False)
+    except Exception as e:  # papermill's error names the cell and the exception; keep its first lines
+        msg = str(e).strip().splitlines()
+        rec["error"] = " | ".join(line for line in msg[:6] if line.strip())[:600] or type(e).__name__
+    rec["seconds"] = round(time.time() - t0, 1)
+    if results_path.exists():
+        rec["results"] = json.loads(results_path.read_text())
+    if rec["error"] is None and rec["results"] is None:
+        rec["error"] = f"the notebook finished without writing its results to {results_path}"
+    rec["ok"] = rec["error"] is None
+    return rec
+
+
+def run(out: str | os.PathLike, *, quick: bool = False, only: list[str] | None = None,
+        timeout: int = 1200) -> list[dict]:
+    names = resolve(only)
+    recs = []
+    for name in names:
+        print(f"[{time.strftime('%H:%M:%S')}] running {name} ...", file=sys.stderr, flush=True)
+        rec = run_one(name, out, quick=quick, timeout=timeout)
+        print(f"[{time.strftime('%H:%M:%S')}] {name}: {'ok' if rec['ok'] else 'FAILED'} in {rec['seconds']} s",
+              file=sys.stderr, flush=True)
+        recs.append(rec)
+    atomic_write_text(Path(out) / "summary.json", json.dumps(recs, indent=2, default=str) + "\n")
+    return recs
+
+
+def resolve(only: list[str] | None) -> list[str]:
+    """'01' or '01_weight_conversion' -> full names, in course order."""
+    if not only:
+        return list(NOTEBOOKS)
+    names = []
+    for key in only:
+        hits = [n for n in NOTEBOOKS if n == key or n.split("_")[0] == key.zfill(2)]
+        if not hits:
+            raise ValueError(f"unknown notebook {key!r}: expected one of {', '.join(NOTEBOOKS)}")
+        names += hits
+    return names
+
+
+def _fmt(value, fmt: str) -> str:
+    try:
+        return fmt.format(value)
+    except (ValueError, TypeError):
+        return str(value)
+
+
+def summary_text(recs: list[dict]) -> str:
+    lines = ["amdllm course: results", "=" * 72]
+    for rec in recs:
+        status = "ok" if rec["ok"] else "FAILED"
+        lines.append(f"{rec['name']:<28} {status:>6}  {rec['seconds']:>7.1f} s")
+        res = rec.get("results") or {}
+        for key, label, fmt in SUMMARY_FIELDS.get(rec["name"], []):
+            if key in res:
+                lines.append(f"    {label:<46} {_fmt(res[key], fmt)}")
+        if rec["error"]:
+            lines.append(f"    error: {rec['error'][:300]}")
+    n_ok = sum(r["ok"] for r in recs)
+    lines += ["=" * 72, f"{n_ok}/{len(recs)} notebooks ran and passed their checks"]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------
+# Stripping: committed notebooks carry no outputs, counts or run metadata
+# --------------------------------------------------------------------------------------------------
+_RUN_METADATA = ("papermill", "widgets", "execution")
+
+
+def dirty_cells(nb) -> list[str]:
+    """Why this notebook is not clean: one line per offending cell/field (empty list = clean)."""
+    problems = [f"notebook metadata '{k}'" for k in _RUN_METADATA if k in nb.metadata]
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        if cell.get("outputs"):
+            problems.append(f"cell {i}: has outputs")
+        if cell.get("execution_count") is not None:
+            problems.append(f"cell {i}: execution_count {cell.execution_count}")
+        if any(k in cell.metadata for k in _RUN_METADATA):
+            problems.append(f"cell {i}: run metadata")
+    return problems
+
+
+def strip_notebook(nb):
+    for k in _RUN_METADATA:
+        nb.metadata.pop(k, None)
+    for cell in nb.cells:
+        for k in _RUN_METADATA:
+            cell.metadata.pop(k, None)
+        if cell.cell_type == "code":
+            cell.outputs = []
+            cell.execution_count = None
+    return nb
+
+
+def notebook_paths(paths: list[str] | None = None) -> list[Path]:
+    if paths:
+        return [Path(p) for p in paths]
+    return sorted(NOTEBOOK_DIR.glob("*.ipynb")) + sorted((NOTEBOOK_DIR / "solutions").glob("*.ipynb"))
+
+
+def strip(paths: list[str] | None = None, check: bool = False) -> dict[str, list[str]]:
+    """Strip (or with check=True only inspect) notebooks; returns {path: problems found}."""
+    found = {}
+    for path in notebook_paths(paths):
+        nb = nbformat.read(path, as_version=4)
+        problems = dirty_cells(nb)
+        if problems:
+            found[str(path)] = problems
+            if not check:
+                atomic_write_text(path, nbformat.writes(strip_notebook(nb)) + "\n")
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m amdllm.notebooks", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="execute the course notebooks headless into OUT/")
+    r.add_argument("--out", default="build")
+    r.add_argument("--quick", action="store_true", help="small sizes (what the tests use)")
+    r.add_argument("--only", default=None, help="comma-separated notebooks, e.g. 01,03")
+    r.add_argument("--timeout", type=int, default=1200, help="seconds per cell")
+    r.add_argument("--json", action="store_true", help="print summary.json instead of the text summary")
+    s = sub.add_parser("strip", help="remove outputs/execution counts from notebooks (default: all)")
+    s.add_argument("paths", nargs="*")
+    s.add_argument("--check", action="store_true", help="only report; exit 1 if any is not clean")
+    args = p.parse_args(argv)
+    if args.cmd == "run":
+        try:
+            recs = run(args.out, quick=args.quick, only=args.only.split(",") if args.only else None,
+                       timeout=args.timeout)
+        except (ValueError, FileNotFoundError) as e:
+            print(f"amdllm.notebooks: error: {e}", file=sys.stderr)
+            return 2
+        print(json.dumps(recs, default=str) if args.json else summary_text(recs))
+        return 0 if all(r["ok"] for r in recs) else 1
+    found = strip(args.paths or None, check=args.check)
+    for path, problems in found.items():
+        print(f"{path}: {'; '.join(problems[:5])}{' ...' if len(problems) > 5 else ''}")
+    if args.check:
+        return 1 if found else 0
+    print(f"stripped {len(found)} notebook(s)" if found else "all notebooks already clean")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
