@@ -1,0 +1,270 @@
+"""Text generation with a KV cache: one prefill, then a jitted one-token decode step.
+
+How a batch of prompts is laid out (and why batched results equal single-prompt results):
+  * Prompts are LEFT-padded to a common length, so every row's next token lands in the same cache slot
+    and one `dynamic_update_slice` serves the whole batch. Pads get segment_ids 0: the cache marks
+    their slots invalid, so no query ever attends to them.
+  * RoPE positions count real tokens only, per row (a 3-token prompt padded to 8 still has positions
+    0, 1, 2), so a row's numbers do not depend on its neighbours' lengths.
+  * The prompt length is rounded up to a multiple of `PROMPT_BUCKET` and the cache length to a multiple
+    of `CACHE_BUCKET`: the prefill compiles once per (batch, prompt bucket, cache length) and the
+    decode step once per (batch, cache length), not once per prompt length.
+  * The decode loop is a Python loop over the jitted step: it streams (`Decoder.stream` yields each
+    step's new token per row, which the server needs) and stops as soon as every row has finished.
+    Finished rows keep emitting `pad_id` (cut from the results).
+Parameters go into jit as pure arrays (`to_pure`), so changing the weights (LoRA training, loading
+another checkpoint of the same shape) never retraces.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from amdllm.model import KVCache, forward, init_cache, to_pure
+
+PROMPT_BUCKET = 16
+CACHE_BUCKET = 64
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+# --------------------------------------------------------------------------------------------------
+# Sampling: pure functions over arrays
+# --------------------------------------------------------------------------------------------------
+def sample_token(logits, key, temperature, top_p):
+    """logits [B, V] float32; temperature, top_p [B] -> token ids [B] int32.
+
+    temperature 0 is greedy (argmax). Otherwise nucleus sampling: keep the smallest set of most likely
+    tokens whose probability reaches top_p (the most likely token is always kept, so a tiny top_p is
+    greedy), renormalise, sample. One key per row (folded in by the caller) keeps rows independent.
+    """
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    t = jnp.maximum(temperature, 1e-6)[:, None]
+    scaled = logits / t
+    order = jnp.argsort(-scaled, axis=-1)                                   # [B, V] descending
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs                             # mass strictly above this token
+    keep = before < top_p[:, None]                                          # first token: before=0 -> kept
+    sorted_logits = jnp.where(keep, sorted_logits, -jnp.inf)
+    keys = jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(logits.shape[0]))
+    pick = jax.vmap(jax.random.categorical)(keys, sorted_logits)            # index into the sorted order
+    sampled = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jnp.where(temperature > 0, sampled, greedy)
+
+
+# --------------------------------------------------------------------------------------------------
+# Compiled prefill / decode, cached per model structure
+# --------------------------------------------------------------------------------------------------
+_COMPILED: dict = {}
+
+
+def _compiled(model):
+    """Jitted (prefill, step) for this model's config/dtype/LoRA scale; weights are arguments."""
+    cfg = model.cfg
+    key = (json.dumps(cfg.to_dict(), sort_keys=True, default=str), str(model.dtype),
+           float(model.lora_scale))
+    if key in _COMPILED:
+        return _COMPILED[key]
+    dtype, lora_scale = model.dtype, float(model.lora_scale)
+
+    def run(top, layers, tokens, positions, segment_ids, cache, cache_index):
+        return forward(cfg, top, layers, tokens, positions=positions, segment_ids=segment_ids,
+                       cache=cache, cache_index=cache_index, dtype=dtype, lora_scale=lora_scale)
+
+    def prefill(top, layers, tokens, positions, segment_ids, key, temperature, top_p, cache_len):
+        # tokens/positions/segment_ids [B, P] left-padded; cache_len (static) fixes the cache shape
+        cache = init_cache(cfg, tokens.shape[0], cache_len, dtype)
+        logits, cache = run(top, layers, tokens, positions, segment_ids, cache, 0)   # [B, P, V]
+        last = logits[:, -1]                    # left padding: the last column is real for every row
+        tok = sample_token(last, jax.random.fold_in(key, 0), temperature, top_p)
+        return tok, last, cache
+
+    def step(top, layers, tok, pos, cache: KVCache, cache_index, i, key, temperature, top_p):
+        # tok/pos [B]: the token just produced and its RoPE position; written at slot cache_index
+        logits, cache = run(top, layers, tok[:, None], pos[:, None], jnp.ones_like(tok)[:, None],
+                            cache, cache_index)                                      # [B, 1, V]
+        nxt = sample_token(logits[:, 0], jax.random.fold_in(key, i), temperature, top_p)
+        return nxt, logits[:, 0], cache
+
+    # the cache is rewritten every step: donate it so XLA updates it in place (not on CPU, where
+    # donation is unimplemented and only prints a warning)
+    donate = (4,) if jax.default_backend() != "cpu" else ()
+    _COMPILED[key] = (jax.jit(prefill, static_argnames=("cache_len",)),
+                      jax.jit(step, donate_argnums=donate))
+    return _COMPILED[key]
+
+
+def _per_row(value, batch: int, name: str) -> jax.Array:
+    arr = np.broadcast_to(np.asarray(value, np.float32), (batch,))
+    if name == "temperature" and (arr < 0).any():
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {value}")
+    if name == "top_p" and ((arr <= 0) | (arr > 1)).any():
+        raise ValueError(f"top_p must be in (0, 1], got {value}")
+    return jnp.asarray(arr)
+
+
+def pack_prompts(prompt_ids: Sequence[Sequence[int]], pad_id: int = 0, bucket: int = PROMPT_BUCKET):
+    """Left-pad prompts to a bucketed length -> (tokens, positions, segment_ids) int32 [B, P], lengths."""
+    if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
+        raise ValueError("every prompt needs at least one token (got an empty prompt)")
+    lens = np.array([len(p) for p in prompt_ids])
+    P = _round_up(int(lens.max()), bucket)
+    B = len(prompt_ids)
+    tokens = np.full((B, P), pad_id, np.int32)
+    seg = np.zeros((B, P), np.int32)
+    for b, p in enumerate(prompt_ids):
+        tokens[b, P - len(p):] = p
+        seg[b, P - len(p):] = 1
+    positions = np.maximum(np.cumsum(seg, axis=1) - 1, 0).astype(np.int32)  # real tokens count 0, 1, ...
+    return tokens, positions, seg, lens
+
+
+class Decoder:
+    """Streaming batched decoding for one model. `stream` yields, per step, one new token id per row
+    (None once that row has finished); `return_logits=True` yields (tokens, logits [B, V]) instead."""
+
+    def __init__(self, model, *, eos_ids: Sequence[int] = (), pad_id: int = 0):
+        self.model = model
+        self.eos_ids = tuple(sorted({int(e) for e in eos_ids}))
+        self.pad_id = int(pad_id)
+        self.prefill, self.step = _compiled(model)
+
+    def stream(self, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int = 64, *,
+               temperature=0.0, top_p=1.0, seed: int = 0, return_logits: bool = False
+               ) -> Iterator[list]:
+        if max_new_tokens < 1:
+            return
+        top, layers = to_pure(self.model)
+        tokens, positions, seg, lens = pack_prompts(prompt_ids, self.pad_id)
+        B, P = tokens.shape
+        S = _round_up(P + max_new_tokens - 1, CACHE_BUCKET)  # the last new token is never written
+        temp, tp = _per_row(temperature, B, "temperature"), _per_row(top_p, B, "top_p")
+        key = jax.random.PRNGKey(seed)
+        tok, logits, cache = self.prefill(top, layers, tokens, positions, seg, key, temp, tp,
+                                          cache_len=S)
+        done = np.zeros(B, bool)
+        eos = np.array(self.eos_ids, np.int64)
+        pos = jnp.asarray(lens, jnp.int32)  # next RoPE position per row = its real prompt length
+        for i in range(max_new_tokens):
+            host = np.asarray(tok)
+            out = [None if d else int(t) for d, t in zip(done, host)]
+            done = done | np.isin(host, eos)
+            yield (out, logits) if return_logits else out
+            if done.all() or i == max_new_tokens - 1:
+                return
+            tok = jnp.asarray(np.where(done, self.pad_id, host).astype(np.int32))
+            tok, logits, cache = self.step(top, layers, tok, pos, cache, P + i, i + 1, key, temp, tp)
+            pos = pos + 1
+
+
+def generate_ids(model, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int = 64, *,
+                 temperature=0.0, top_p=1.0, seed: int = 0, eos_ids: Sequence[int] | None = None,
+                 pad_id: int = 0, keep_eos: bool = True) -> list[list[int]]:
+    """Token ids in, new token ids out (one list per prompt; EOS included unless keep_eos=False)."""
+    eos = model.cfg.eos_ids if eos_ids is None else eos_ids
+    dec = Decoder(model, eos_ids=eos, pad_id=pad_id)
+    out: list[list[int]] = [[] for _ in prompt_ids]
+    for step in dec.stream(prompt_ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed):
+        for row, t in enumerate(step):
+            if t is not None:
+                out[row].append(t)
+    if not keep_eos:
+        out = [[t for t in r if t not in set(dec.eos_ids)] for r in out]
+    return out
+
+
+def tokenizer_eos_ids(model, tokenizer) -> tuple[int, ...]:
+    ids = set(model.cfg.eos_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return tuple(sorted(ids))
+
+
+def generate(model, tokenizer, prompts: str | list[str], max_new_tokens: int = 64, temperature=0.0,
+             top_p=1.0, seed: int = 0) -> list[dict]:
+    """Prompts (tokenized as `tokenizer(prompt)`, BOS from the tokenizer) -> one dict per prompt:
+    text, token_ids (new only), prompt_tokens, new_tokens, tokens_per_second."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    prompt_ids = [list(tokenizer(p)["input_ids"]) for p in prompts]
+    for p, ids in zip(prompts, prompt_ids):
+        if not ids:
+            raise ValueError(f"prompt {p!r} tokenizes to no tokens (and the tokenizer adds no BOS)")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    eos = tokenizer_eos_ids(model, tokenizer)
+    t0 = time.perf_counter()
+    new = generate_ids(model, prompt_ids, max_new_tokens, temperature=temperature, top_p=top_p,
+                       seed=seed, eos_ids=eos, pad_id=pad)
+    dt = time.perf_counter() - t0
+    results = []
+    for ids, toks in zip(prompt_ids, new):
+        results.append({
+            "text": tokenizer.decode([t for t in toks if t not in eos], skip_special_tokens=True),
+            "token_ids": toks, "prompt_tokens": len(ids), "new_tokens": len(toks),
+            # wall time of the whole batch (prefill + decode, compilation included on a first call)
+            "tokens_per_second": sum(len(t) for t in new) / dt if dt > 0 else 0.0,
+        })
+    return results
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading (shared with `amdllm eval` and the server) and the CLI
+# --------------------------------------------------------------------------------------------------
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def load_model(model_dir=None, adapter=None, dtype: str = "float32"):
+    """(model, tokenizer, model_dir) for the CLI: `model_dir` None means the embedded default."""
+    from amdllm import checkpoint, tokenizer as tok_mod
+    if model_dir is None:
+        from amdllm.course import default_model_dir
+        model_dir = default_model_dir()
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    model = checkpoint.load(model_dir, dtype=DTYPES[dtype])
+    if adapter is not None:
+        try:
+            from amdllm.lora import load_adapter
+        except ImportError as e:
+            raise ValueError(f"--adapter needs amdllm.lora.load_adapter, which is not available: {e}")
+        model = load_adapter(model, adapter) or model
+    return model, tok_mod.load_tokenizer(model_dir), model_dir
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF checkpoint directory (default: the embedded model)")
+    p.add_argument("--adapter", default=None, help="PEFT LoRA adapter directory to apply")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser("generate", help="generate text from a prompt (greedy or top-p sampling)")
+    add_model_args(p)
+    p.add_argument("--prompt", required=True, help="prompt text, tokenized as tokenizer(prompt)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.set_defaults(func=_cli)
+
+
+def _cli(args) -> int:
+    from amdllm.cli import emit
+    model, tokenizer, _ = load_model(args.model, args.adapter, args.dtype)
+    r = generate(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_p,
+                 args.seed)[0]
+    human = (f"{args.prompt}{r['text']}\n\n[{r['prompt_tokens']} prompt tokens, {r['new_tokens']} new, "
+             f"{r['tokens_per_second']:.1f} tokens/s]")
+    emit(r, args.json, human)
+    return 0
