@@ -1,0 +1,257 @@
+"""GPTQ in JAX: the quantizer grid, the solver, RTN, and the `amdllm quantize` command.
+
+The solver follows the reference implementation (IST-DASLab `gptq.py::fasterquant`, see
+`anchors_gptq.md` 1.3) line for line, with weights in the reference's [out N, in K] orientation:
+dead columns, relative dampening (raised by 0.01 with a warning while Cholesky fails), the upper
+Cholesky factor of H^-1, blocks of 128 columns with a rank-1 update inside the block and one GEMM
+("lazy batch update") per block, groups, act-order (`desc_act`) with `g_idx`, static groups.
+
+One deliberate difference: with groups smaller than the block (G=32/64) the reference computes a
+group's scale from `W`, which does not yet hold the current block's updates (its "quirk a"); we use
+the updated columns, i.e. the algorithm as the paper states it. For G a multiple of 128 (and G=-1)
+both are identical -- tests/test_gptq.py checks both cases against a NumPy transcription.
+
+Scales are rounded to fp16 *when chosen* (`scale_dtype`), so the error feedback sees exactly the
+weights the checkpoint will hold; `scale_dtype=jnp.float32` reproduces the reference bit for bit.
+
+Packing, the quantized matmul and checkpoint I/O live in `amdllm.quant_format`; calibration through
+the model and the reports in `amdllm.gptq_calib`. The public names are re-exported here.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from amdllm.quant_format import (QuantFormatError, QuantLinear, dequantize, load_quantized,  # noqa: F401
+                                 pack_cols, pack_rows, quantized_matmul, save_quantized,
+                                 unpack_cols, unpack_rows)
+
+SOLVER_BITS = (2, 3, 4, 8)
+GROUP_SIZES = (-1, 16, 32, 64, 128, 256, 512, 1024)  # GPTQModel's allowed values
+
+
+class GPTQError(ValueError):
+    """Bad quantization settings or calibration data."""
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    bits: int = 4
+    group_size: int = 128
+    sym: bool = True
+    act_order: bool = False      # desc_act
+    static_groups: bool = False
+    percdamp: float = 0.01
+    blocksize: int = 128
+    true_sequential: bool = True
+
+    def __post_init__(self):
+        if self.bits not in SOLVER_BITS:
+            raise GPTQError(f"bits={self.bits} is not supported; expected one of {SOLVER_BITS}")
+        if self.group_size not in GROUP_SIZES:
+            raise GPTQError(f"group_size={self.group_size} is not supported; expected one of {GROUP_SIZES}")
+        if not 0 < self.percdamp < 1:
+            raise GPTQError(f"percdamp={self.percdamp} must be in (0, 1)")
+
+    @property
+    def maxq(self) -> int:
+        return 2 ** self.bits - 1
+
+    def groups(self, K: int, where: str = "weight") -> int:
+        """Group length for K input features (G=-1 -> K), checked to divide K."""
+        if self.group_size == -1:
+            return K
+        if K % self.group_size:
+            raise GPTQError(f"{where}: group_size {self.group_size} does not divide in_features {K}")
+        return self.group_size
+
+
+@dataclass
+class QuantResult:
+    """One linear, reference orientation: Q and codes [N, K]; scales/zeros [n_g, N]; g_idx [K]."""
+    Q: np.ndarray
+    codes: np.ndarray
+    scales: np.ndarray
+    zeros: np.ndarray
+    g_idx: np.ndarray
+    damp: float = 0.0
+
+    def packed(self, bits: int) -> dict:
+        """The dict a QuantLinear holds (per layer; v2 zeros), kernels [in, out]."""
+        return {"qweight": pack_rows(self.codes.T, bits), "qzeros": pack_cols(self.zeros, bits),
+                "scales": self.scales.astype(np.float16), "g_idx": self.g_idx.astype(np.int32)}
+
+
+# --------------------------------------------------------------------------------------------------
+# The grid (anchors 1.4): unsigned codes 0..maxq in both modes, zero = 2^(b-1) when symmetric
+# --------------------------------------------------------------------------------------------------
+def find_params(x, maxq: int, sym: bool, scale_dtype=jnp.float16):
+    """x [N, n] -> per-row (scale [N], zero [N]) float32 over the row's range (which always holds 0)."""
+    xmin = jnp.minimum(x.min(axis=1), 0.0)
+    xmax = jnp.maximum(x.max(axis=1), 0.0)
+    if sym:
+        xmax = jnp.maximum(jnp.abs(xmin), xmax)
+        xmin = jnp.where(xmin < 0, -xmax, xmin)  # reference: a row without negatives keeps xmin = 0
+    both0 = (xmin == 0) & (xmax == 0)
+    xmin, xmax = jnp.where(both0, -1.0, xmin), jnp.where(both0, 1.0, xmax)
+    scale = (xmax - xmin) / maxq
+    if jnp.dtype(scale_dtype) != jnp.float32:  # the stored scale; floor at fp16's smallest normal
+        scale = jnp.maximum(scale, 6.2e-5).astype(scale_dtype).astype(jnp.float32)
+    zero = jnp.full_like(scale, (maxq + 1) // 2) if sym else jnp.round(-xmin / scale)
+    return scale, zero
+
+
+def quantize_codes(w, scale, zero, maxq: int):
+    return jnp.clip(jnp.round(w / scale) + zero, 0, maxq)
+
+
+def fake_quant(w, scale, zero, maxq: int):
+    return scale * (quantize_codes(w, scale, zero, maxq) - zero)
+
+
+# --------------------------------------------------------------------------------------------------
+# RTN: the same grid, no error feedback
+# --------------------------------------------------------------------------------------------------
+def rtn_quantize(W, spec: QuantSpec, scale_dtype=jnp.float16) -> QuantResult:
+    """W [N, K] -> QuantResult with groups of consecutive input columns."""
+    W = jnp.asarray(W, jnp.float32)
+    N, K = W.shape
+    G = spec.groups(K)
+    Wg = W.reshape(N, K // G, G).transpose(1, 0, 2)                     # [n_g, N, G]
+    s, z = jax.vmap(lambda w: find_params(w, spec.maxq, spec.sym, scale_dtype))(Wg)  # [n_g, N]
+    g_idx = np.arange(K) // G
+    codes = quantize_codes(W, s[g_idx].T, z[g_idx].T, spec.maxq)
+    Q = s[g_idx].T * (codes - z[g_idx].T)
+    return QuantResult(np.asarray(Q), np.asarray(codes, np.int32), np.asarray(s), np.asarray(z, np.int32),
+                       g_idx.astype(np.int32))
+
+
+# --------------------------------------------------------------------------------------------------
+# GPTQ
+# --------------------------------------------------------------------------------------------------
+@partial(jax.jit, static_argnames=("maxq", "sym", "gdyn", "scale_dtype"))
+def _solve_block(W1, U1, col_s, col_z, *, maxq, sym, gdyn, scale_dtype):
+    """One block of b columns. W1 [N,b]; U1 [b,b] upper; col_s/col_z [N,b] preset params (unused
+    where gdyn>0: then params are recomputed from the *updated* W1 at every gdyn-th column)."""
+    N, b = W1.shape
+
+    def body(i, c):
+        W1, Q1, C1, E1, S1, Z1, s, z = c
+        w = jax.lax.dynamic_index_in_dim(W1, i, axis=1, keepdims=False)       # [N]
+        if gdyn:
+            s, z = jax.lax.cond(i % gdyn == 0,
+                                lambda: find_params(jax.lax.dynamic_slice_in_dim(W1, i, gdyn, axis=1),
+                                                    maxq, sym, scale_dtype),
+                                lambda: (s, z))
+        else:
+            s = jax.lax.dynamic_index_in_dim(col_s, i, axis=1, keepdims=False)
+            z = jax.lax.dynamic_index_in_dim(col_z, i, axis=1, keepdims=False)
+        code = quantize_codes(w, s, z, maxq)
+        q = s * (code - z)
+        e = (w - q) / U1[i, i]                                                # [N]
+        W1 = W1 - e[:, None] * U1[i][None, :]  # U1 is upper triangular: columns < i are untouched
+        upd = lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, i, axis=1)  # noqa: E731
+        return W1, upd(Q1, q), upd(C1, code), upd(E1, e), upd(S1, s), upd(Z1, z), s, z
+
+    zeros = jnp.zeros_like(W1)
+    init = (W1, zeros, zeros, zeros, zeros, zeros, col_s[:, 0], col_z[:, 0])
+    _, Q1, C1, E1, S1, Z1, _, _ = jax.lax.fori_loop(0, b, body, init)
+    return Q1, C1, E1, S1, Z1
+
+
+@jax.jit
+def _chol_inv_upper(H, damp):
+    """Upper U with U^T U = (H + damp I)^-1 (cholesky -> cholesky_inverse -> cholesky(upper))."""
+    K = H.shape[0]
+    Hd = H + damp * jnp.eye(K, dtype=H.dtype)
+    L = jnp.linalg.cholesky(Hd)
+    Hinv = jax.scipy.linalg.cho_solve((L, True), jnp.eye(K, dtype=H.dtype))
+    return jnp.linalg.cholesky(Hinv).T
+
+
+def hessian_inverse(H, percdamp: float, where: str = "layer"):
+    """(U, damp fraction used). Raises dampening by 0.01 while the factorisation fails (GPTQModel)."""
+    mean_diag = float(jnp.mean(jnp.diag(H)))
+    p = percdamp
+    while p < 1.0:
+        U = _chol_inv_upper(H, p * mean_diag)
+        if bool(jnp.all(jnp.isfinite(U))):
+            if p != percdamp:
+                warnings.warn(f"{where}: Cholesky failed at percdamp={percdamp}; used {p:.2f}", stacklevel=2)
+            return U, p
+        p = round(p + 0.01, 6)
+    raise GPTQError(f"{where}: the Hessian is not positive definite even with percdamp < 1 "
+                    "(too few or degenerate calibration tokens?)")
+
+
+def gptq_quantize(W, H, spec: QuantSpec, scale_dtype=jnp.float16, where: str = "layer") -> QuantResult:
+    """W [N, K] float32, H [K, K] (any positive scale) -> QuantResult. The reference loop (module doc)."""
+    W = jnp.asarray(W, jnp.float32)
+    H = jnp.asarray(H, jnp.float32)
+    N, K = W.shape
+    if H.shape != (K, K):
+        raise GPTQError(f"{where}: Hessian shape {H.shape} does not match in_features {K}")
+    G = spec.groups(K, where)
+    maxq, sym, B = spec.maxq, spec.sym, spec.blocksize
+    fp = partial(find_params, maxq=maxq, sym=sym, scale_dtype=scale_dtype)
+
+    dead = jnp.diag(H) == 0
+    H = H + jnp.diag(jnp.where(dead, 1.0, 0.0))
+    W = jnp.where(dead[None, :], 0.0, W)
+    base = fp(W) if spec.group_size == -1 else None  # per-row params over all K
+    static = None
+    if spec.static_groups and spec.group_size != -1:  # from the ORIGINAL column order, before updates
+        static = jax.vmap(fp)(W.reshape(N, K // G, G).transpose(1, 0, 2))   # ([n_g, N], [n_g, N])
+    perm = np.argsort(-np.asarray(jnp.diag(H)), kind="stable") if spec.act_order else np.arange(K)
+    W, H = W[:, perm], H[perm][:, perm]
+    U, damp = hessian_inverse(H, spec.percdamp, where)
+
+    outs = {k: [] for k in ("Q", "C", "S", "Z")}
+    cur = base
+    for i1 in range(0, K, B):
+        i2 = min(i1 + B, K)
+        b = i2 - i1
+        gdyn = 0
+        if base is not None:
+            cs, cz = (jnp.broadcast_to(a[:, None], (N, b)) for a in base)
+        elif static is not None:  # column j of the permuted matrix belongs to group perm[j] // G
+            gi = perm[i1:i2] // G
+            cs, cz = static[0][gi].T, static[1][gi].T
+        elif G >= B:  # groups start at block starts: params from W, which is exact there
+            if i1 % G == 0:
+                cur = fp(W[:, i1:i1 + G])
+            cs, cz = (jnp.broadcast_to(a[:, None], (N, b)) for a in cur)
+        else:
+            gdyn = G
+            cs = cz = jnp.ones((N, b), jnp.float32)
+        Q1, C1, E1, S1, Z1 = _solve_block(W[:, i1:i2], U[i1:i2, i1:i2], cs, cz, maxq=maxq, sym=sym,
+                                          gdyn=gdyn, scale_dtype=jnp.dtype(scale_dtype).name)
+        W = W.at[:, i2:].add(-E1 @ U[i1:i2, i2:])   # lazy batch update: [N,b] @ [b,K-i2]
+        for k, v in zip("QCSZ", (Q1, C1, S1, Z1)):
+            outs[k].append(v)
+    Q, C, S, Z = (jnp.concatenate(outs[k], axis=1) for k in "QCSZ")
+    inv = np.argsort(perm)
+    Q, C, S, Z = (np.asarray(a[:, inv]) for a in (Q, C, S, Z))  # back to the original column order
+    if spec.act_order and static is None:
+        g_idx = (inv // G).astype(np.int32)  # g_idx[k] = (position of column k in perm) // G
+    else:
+        g_idx = (np.arange(K) // G).astype(np.int32)
+    ng = K // G
+    scales, zeros = np.zeros((ng, N), np.float32), np.zeros((ng, N), np.int32)
+    scales[g_idx], zeros[g_idx] = S.T, Z.T.astype(np.int32)  # every column of a group agrees
+    return QuantResult(Q, C.astype(np.int32), scales, zeros, g_idx, damp)
+
+
+def reconstruction_error(W, Q, H) -> float:
+    """||W X - Q X||^2 per token, from H = (1/n) sum x x^T (the raw second moment): tr(dW H dW^T)."""
+    d = jnp.asarray(W, jnp.float32) - jnp.asarray(Q, jnp.float32)
+    return float(jnp.sum((d @ jnp.asarray(H, jnp.float32)) * d))
+
+
+from amdllm.gptq_calib import (add_cli, calibration_windows, paper_bytes, quantize_model,  # noqa: E402,F401
+                               model_bytes)

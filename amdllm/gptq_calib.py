@@ -1,0 +1,283 @@
+"""GPTQ through a whole model: calibration layer by layer, reports, paper sizes, `amdllm quantize`.
+
+Outer loop as in the reference (`llama.py::llama_sequential`, anchors 1.1): embed the calibration
+windows once, then for each decoder layer accumulate every linear's input second moment
+H = 2/n sum x x^T (float32, streamed batch by batch, never holding all activations of a linear), quantize
+the layer's linears (true-sequential: q,k,v -> o -> gate,up -> down, each group seeing the earlier
+groups already quantized), and feed the *quantized* layer's outputs to the next layer.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from amdllm import model as M
+from amdllm.quant_format import QuantLinear, quant_config_dict, save_quantized
+
+# which captured input feeds which projection; and the true-sequential order
+INPUT_OF = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "o_proj": "o_in",
+            "gate_proj": "mlp_in", "up_proj": "mlp_in", "down_proj": "down_in"}
+SEQUENTIAL = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+
+
+def layer_with_inputs(cfg, p, x, cos, sin, mask):
+    """model.decoder_layer, also returning each projection's input (tests check it equals the model's)."""
+    B, T, _ = x.shape
+    hd, H, Hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    h = M.rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps)
+    q = M.linear(h, p["q_proj"]).reshape(B, T, H, hd)
+    k = M.linear(h, p["k_proj"]).reshape(B, T, Hkv, hd)
+    v = M.linear(h, p["v_proj"]).reshape(B, T, Hkv, hd)
+    q, k = M.apply_rope(q, cos, sin), M.apply_rope(k, cos, sin)
+    a = M.attention(q, k, v, mask).reshape(B, T, H * hd)
+    x = x + M.linear(a, p["o_proj"])
+    h2 = M.rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps)
+    mid = jax.nn.silu(M.linear(h2, p["gate_proj"])) * M.linear(h2, p["up_proj"])
+    x = x + M.linear(mid, p["down_proj"])
+    return x, {"attn_in": h, "o_in": a, "mlp_in": h2, "down_in": mid}
+
+
+def calibration_windows(token_ids, samples: int, seq_len: int, seed: int = 0) -> np.ndarray:
+    """`samples` windows [samples, seq_len] at random starts (reproducible by seed) in a token stream."""
+    ids = np.asarray(token_ids, np.int32).reshape(-1)
+    if samples < 1 or seq_len < 2:
+        raise ValueError(f"calibration needs samples >= 1 and seq_len >= 2 (got {samples}, {seq_len})")
+    if ids.size < seq_len:
+        raise ValueError(f"too few calibration tokens: the text has {ids.size} tokens, one window of "
+                         f"--seq-len {seq_len} needs {seq_len}; give a longer --calib file or a smaller --seq-len")
+    starts = np.random.default_rng(seed).integers(0, ids.size - seq_len + 1, size=samples)
+    return np.stack([ids[s:s + seq_len] for s in starts])
+
+
+def _rope_mask(cfg, B, T):
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    freqs = pos[..., None].astype(jnp.float32) * M.rope_inv_freq(cfg)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
+    return jnp.cos(emb), jnp.sin(emb), mask
+
+
+def quantize_model(model, windows, spec, *, method: str = "gptq", batch_size: int = 8,
+                   progress: bool = True, report: bool = True):
+    """Quantize every projection of `model` (dense, float) in place -> (model, rows).
+
+    windows [n, T] int tokens (ignored for RTN). rows: one dict per (layer, projection) with the
+    per-token reconstruction error ||WX-QX||^2 of GPTQ and of RTN on the same inputs (GPTQ only).
+    """
+    from amdllm.gptq import GPTQError, gptq_quantize, reconstruction_error, rtn_quantize
+
+    if method not in ("gptq", "rtn"):
+        raise GPTQError(f"method {method!r} is not supported; expected 'gptq' or 'rtn'")
+    cfg = model.cfg
+    top, layers = M.to_pure(model)
+    for proj in M.PROJECTIONS:
+        if isinstance(layers.get(proj), dict) or proj + "_lora_a" in layers:
+            raise GPTQError(f"layers.{proj} is already quantized or has LoRA attached; quantize a plain "
+                            "float model (merge adapters first)")
+        spec.groups(layers[proj].shape[1], f"layers.{proj} (in_features)")
+    L = cfg.num_hidden_layers
+    packed = {proj: [] for proj in M.PROJECTIONS}
+    rows = []
+    if method == "gptq":
+        windows = np.asarray(windows, np.int32)
+        n, T = windows.shape
+        min_tokens = 2 * max(layers[p].shape[1] for p in M.PROJECTIONS)
+        if n * T < min_tokens:
+            raise GPTQError(f"too few calibration tokens: {n} x {T} = {n * T}; need at least {min_tokens} "
+                            "(twice the largest in_features) for a usable Hessian")
+        bs = min(batch_size, n)
+        cos, sin, mask = _rope_mask(cfg, bs, T)
+        emb = jnp.asarray(top["embed_tokens"], jnp.float32)
+        inps = [jnp.take(emb, jnp.asarray(windows[i:i + bs]), axis=0) for i in range(0, n, bs)]
+
+        @jax.jit
+        def capture(p, x, Hs):  # one batch: layer output and updated sums of x x^T per input
+            c, s, m = cos[:x.shape[0]], sin[:x.shape[0]], mask[:x.shape[0]]
+            out, ins = layer_with_inputs(cfg, p, x, c, s, m)
+            new = {}
+            for k, h in Hs.items():
+                a = ins[k].reshape(-1, ins[k].shape[-1]).astype(jnp.float32)   # [b*T, K]
+                new[k] = h + a.T @ a
+            return out, new
+
+    bar = tqdm(total=L * 7, desc=f"{method} {spec.bits}-bit", disable=not progress)
+    for li in range(L):
+        p = {k: jnp.asarray(v[li], jnp.float32) for k, v in layers.items()}
+        for grp in (SEQUENTIAL if spec.true_sequential else (M.PROJECTIONS,)):
+            if method == "gptq":
+                Hs = {INPUT_OF[g]: jnp.zeros((p[g].shape[0],) * 2, jnp.float32) for g in grp}
+                for x in inps:
+                    _, Hs = capture(p, x, Hs)
+                ntok = n * T
+                Hs = {k: 2.0 * h / ntok for k, h in Hs.items()}   # H = 2/n sum x x^T (scale-free)
+            for proj in grp:
+                W = p[proj].T                                      # ours [K, N] -> reference [N, K]
+                where = f"layer {li} {proj}"
+                if method == "gptq":
+                    H = Hs[INPUT_OF[proj]]
+                    res = gptq_quantize(W, H, spec, where=where)
+                    if report:
+                        r = rtn_quantize(W, spec)
+                        rows.append({"layer": li, "proj": proj,
+                                     "gptq_err": reconstruction_error(W, res.Q, H / 2),
+                                     "rtn_err": reconstruction_error(W, r.Q, H / 2), "damp": res.damp})
+                else:
+                    res = rtn_quantize(W, spec)
+                p[proj] = jnp.asarray(res.Q.T)                     # later groups/layers see quantized
+                packed[proj].append(res)
+                bar.update(1)
+        if method == "gptq":  # the quantized layer's outputs are the next layer's inputs
+            inps = [capture(p, x, {})[0] for x in inps]
+    bar.close()
+    _install(model, packed, spec.bits)
+    return model, rows
+
+
+def _install(model, packed, bits):
+    """Replace each stacked projection of model.layers by a QuantLinear (or a dense fake-quant kernel
+    for 3-bit, which the packed format does not cover)."""
+    from flax import nnx
+    for proj, results in packed.items():
+        (_, axes) = M.param_table(model.cfg)["layers/" + proj]
+        if bits == 3:
+            setattr(model.layers, proj, nnx.Param(jnp.stack([jnp.asarray(r.Q.T) for r in results])
+                                                  .astype(getattr(model.layers, proj)[...].dtype), axes=axes))
+            continue
+        per = [r.packed(bits) for r in results]
+        setattr(model.layers, proj, QuantLinear(**{k: jnp.asarray(np.stack([d[k] for d in per]))
+                                                   for k in per[0]}))
+
+
+# --------------------------------------------------------------------------------------------------
+# Reports
+# --------------------------------------------------------------------------------------------------
+def model_bytes(model) -> int:
+    """Bytes of every array the model holds on the device (packed words count as packed)."""
+    from flax import nnx
+    return int(sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)) if hasattr(x, "nbytes")))
+
+
+def paper_bytes(cfg, bits: int = 4, group_size: int = 128, fp_bytes: int = 2) -> dict:
+    """Weight bytes on paper: projections at `bits` (+ fp16 scale and packed zero per group per
+    output, + int32 g_idx), embeddings/norms/lm_head at fp_bytes. bits >= 16 means unquantized."""
+    L, D, F, V = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    shapes = [(D, cfg.q_dim), (D, cfg.kv_dim), (D, cfg.kv_dim), (cfg.q_dim, D), (D, F), (D, F), (F, D)]
+    lin = 0.0
+    for K, N in shapes:
+        if bits >= 16:
+            lin += K * N * fp_bytes
+        else:
+            ng = 1 if group_size == -1 else math.ceil(K / group_size)
+            lin += K * N * bits / 8 + ng * N * (2 + bits / 8) + 4 * K
+    other = (V * D * (1 if cfg.tie_word_embeddings else 2) + (2 * L + 1) * D) * fp_bytes
+    total = L * lin + other
+    return {"bits": bits, "group_size": group_size, "linear_bytes": L * lin, "other_bytes": other,
+            "total_bytes": total, "total_gb": total / 1e9}
+
+
+def devices_needed(total_bytes: float, device_gb: float = 192.0, usable: float = 0.9) -> int:
+    """Devices for the weights alone, keeping (1-usable) of each for activations/KV cache."""
+    return math.ceil(total_bytes / (device_gb * 1e9 * usable))
+
+
+# --------------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------------
+def _load_model(model_dir):
+    try:
+        from amdllm.checkpoint import load
+    except ImportError:  # checkpoint.py not there yet: our loader reads dense HF Llama dirs too
+        from amdllm.quant_format import load_quantized as load
+    return load(model_dir)
+
+
+def _tokenize(model_dir, text):
+    try:
+        from amdllm.tokenizer import load_tokenizer
+        tok = load_tokenizer(model_dir)
+    except ImportError:
+        from transformers import PreTrainedTokenizerFast
+        tok = PreTrainedTokenizerFast(tokenizer_file=str(Path(model_dir) / "tokenizer.json"))
+    return np.asarray(tok(text)["input_ids"], np.int32)
+
+
+def _default_model_dir():
+    from amdllm.course import default_model_dir
+    return default_model_dir()
+
+
+def _default_calib_file():
+    from amdllm import course
+    return Path(course.data_dir()) / "corpus_train.txt"
+
+
+def run_quantize(args) -> dict:
+    from amdllm.gptq import QuantSpec
+    spec = QuantSpec(bits=args.bits, group_size=args.group_size, sym=args.sym, act_order=args.act_order,
+                     static_groups=args.static_groups, percdamp=args.damp,
+                     true_sequential=not args.no_true_sequential)
+    if args.bits == 3:
+        raise ValueError("--bits 3 runs in memory (amdllm.gptq.quantize_model) but the packed format "
+                         "supports 2, 4 and 8 bits only")
+    model_dir = Path(args.model) if args.model else _default_model_dir()
+    t0 = time.perf_counter()
+    model = _load_model(model_dir)
+    windows = None
+    if args.method == "gptq":
+        calib = Path(args.calib) if args.calib else _default_calib_file()
+        if not calib.is_file():
+            raise FileNotFoundError(f"--calib {calib}: file not found")
+        windows = calibration_windows(_tokenize(model_dir, calib.read_text()), args.samples, args.seq_len,
+                                      args.seed)
+    model, rows = quantize_model(model, windows, spec, method=args.method, progress=not args.json)
+    qc = quant_config_dict(spec.bits, spec.group_size, spec.sym, spec.act_order,
+                           static_groups=spec.static_groups, damp_percent=spec.percdamp,
+                           true_sequential=spec.true_sequential)
+    save_quantized(model, args.out, qc, tokenizer_from=model_dir)
+    if rows:
+        from amdllm.io import atomic_write_text
+        atomic_write_text(Path(args.out) / "gptq_report.json", json.dumps(rows, indent=1))
+    return {"out": str(args.out), "method": args.method, "bits": spec.bits, "group_size": spec.group_size,
+            "sym": spec.sym, "act_order": spec.act_order, "format": qc["checkpoint_format"],
+            "seconds": round(time.perf_counter() - t0, 3), "model_bytes": model_bytes(model),
+            "gptq_err": sum(r["gptq_err"] for r in rows) if rows else None,
+            "rtn_err": sum(r["rtn_err"] for r in rows) if rows else None}
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser("quantize", help="GPTQ/RTN 4-bit quantization into a GPTQ checkpoint dir",
+                              description="Quantize a Llama checkpoint to GPTQ format (HF/GPTQModel layout).")
+    p.add_argument("--model", help="HF checkpoint dir (default: the embedded course model)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--method", choices=("gptq", "rtn"), default="gptq")
+    p.add_argument("--bits", type=int, default=4, help="2, 4 or 8 (default 4)")
+    p.add_argument("--group-size", type=int, default=128, help="-1 (per channel), 16..1024 (default 128)")
+    p.add_argument("--act-order", action="store_true", help="desc_act: columns by decreasing diag(H)")
+    p.add_argument("--static-groups", action="store_true", help="group params from the original weights")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--sym", dest="sym", action="store_true", default=True, help="symmetric grid (default)")
+    g.add_argument("--asym", dest="sym", action="store_false", help="asymmetric grid (saved as gptq_v2)")
+    p.add_argument("--damp", type=float, default=0.01, help="percdamp (default 0.01, raised if needed)")
+    p.add_argument("--no-true-sequential", action="store_true")
+    p.add_argument("--calib", help="calibration text file (default: the course corpus)")
+    p.add_argument("--samples", type=int, default=128)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+
+    def handler(args):
+        from amdllm.cli import emit
+        res = run_quantize(args)
+        emit(res, args.json, f"wrote {res['out']} ({res['method']} {res['bits']}-bit g{res['group_size']}, "
+                             f"{res['format']}) in {res['seconds']} s")
+        return 0
+
+    p.set_defaults(func=handler)
