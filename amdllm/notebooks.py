@@ -64,6 +64,15 @@ SUMMARY_FIELDS: dict[str, list[tuple[str, str, str]]] = {
 }
 
 
+def record(results_path: str | os.PathLike | None, results: dict) -> dict:
+    """A notebook's last call: print its key results and write them (JSON) where the runner looks."""
+    for k, v in results.items():
+        print(f"  {k:<32} {v}")
+    if results_path:
+        atomic_write_text(results_path, json.dumps(results, indent=2, default=float) + "\n")
+    return results
+
+
 def _params_for(name: str, quick: bool, results_path: Path, extra: dict | None) -> dict:
     params = {"quick": bool(quick), "results_path": str(results_path)}
     if quick:
@@ -86,7 +95,11 @@ def _kernel_env() -> None:
 def run_one(name: str, out: str | os.PathLike, *, quick: bool = False, timeout: int = 1200,
             parameters: dict | None = None, kernel: str = "python3") -> dict:
     """Execute notebooks/<name>.ipynb into OUT/<name>.ipynb; return {name, ok, seconds, results, error}."""
+    import warnings
+
     import papermill as pm
+    from nbformat.validator import MissingIDFieldWarning
+    warnings.filterwarnings("ignore", category=MissingIDFieldWarning)  # papermill's injected cell has no id
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     src = NOTEBOOK_DIR / f"{name}.ipynb"
