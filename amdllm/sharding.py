@@ -12,7 +12,7 @@ Three ideas, MaxText style:
 
 Indivisible dimensions are an error by default (`strict=True`): a silently replicated 100 GB
 embedding is worse than a clear message. `strict=False` replicates such a dimension instead
-(with a warning). Parameters without logical axes (none in amdllm today) are replicated.
+(with a warning). Arrays without logical axes (packed GPTQ tensors today) are replicated.
 """
 from __future__ import annotations
 
@@ -190,10 +190,12 @@ def _iter_params(model_or_cfg):
             yield name, tuple(shape), np.dtype("float32"), axes
         return
     from flax import nnx
-    for path, var in nnx.to_flat_state(nnx.state(model_or_cfg, nnx.Param)):
+    for path, var in nnx.to_flat_state(nnx.state(model_or_cfg)):  # Params, LoRA, packed GPTQ tensors
         name = "/".join(str(p) for p in path)
         axes = var.get_metadata().get("axes")
         value = var.get_value()
+        if not (isinstance(value, dict) or hasattr(value, "shape")):
+            continue
         leaves = value.items() if isinstance(value, dict) else [(None, value)]
         for sub, leaf in leaves:  # a GPTQ projection is a dict of packed tensors
             ax = axes.get(sub) if isinstance(axes, dict) else axes
@@ -226,9 +228,11 @@ def shard_model(model, mesh: Mesh, rules=None, *, strict: bool = True):
     """Move an existing model's parameters onto `mesh` (in place; returns the model)."""
     from flax import nnx
     shardings = param_shardings(model, mesh, rules, strict=strict)
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    for path, var in nnx.to_flat_state(nnx.state(model)):
         name = "/".join(str(p) for p in path)
         value = var.get_value()
+        if name not in shardings and not isinstance(value, dict):
+            continue
         if isinstance(value, dict):
             new = {k: jax.device_put(v, shardings[f"{name}/{k}"]) for k, v in value.items()}
         else:
