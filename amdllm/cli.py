@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "eval": "amdllm.evaluate",
     "generate": "amdllm.generate",
     "quantize": "amdllm.gptq",
+    "serve": "amdllm.serve",
 }
 
 
