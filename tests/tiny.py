@@ -9,6 +9,7 @@ as a large difference instead of hiding below the tolerance.
 """
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import numpy as np
@@ -63,12 +64,12 @@ def make_hf_checkpoint(tmp_path, *, dtype: str = "float32", max_shard_size=None,
     import torch
     model = make_hf_model(seed=seed, **overrides)
     tdtype = getattr(torch, dtype)
-    if tdtype != torch.float32:  # round the reference model to what is stored
-        model = model.to(tdtype).to(torch.float32)
+    with torch.no_grad():  # round the reference's *parameters* to what is stored; buffers (RoPE
+        for p in model.parameters():  # inv_freq) stay float32, as from_pretrained would compute them
+            p.copy_(p.to(tdtype).to(torch.float32))
     out = Path(tmp_path) / name
     kw = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
-    model.to(tdtype).save_pretrained(out, **kw)
-    model.to(torch.float32)
+    copy.deepcopy(model).to(tdtype).save_pretrained(out, **kw)
     return out, model
 
 
