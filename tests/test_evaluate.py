@@ -1,0 +1,75 @@
+"""Perplexity equals DESIGN.md's protocol computed independently with transformers (torch), to 1e-4
+relative: consecutive non-overlapping windows, the short last window kept only with >= 2 tokens."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from amdllm.evaluate import evaluate_text, perplexity, windows
+from tests.test_generate import ours_from_hf
+from tests.tiny import make_hf_model
+
+
+def reference_perplexity(hf_model, ids, seq_len):
+    """The protocol, written out with torch: every window on its own, sum of NLLs over tokens 1..n-1."""
+    import torch
+    import torch.nn.functional as F
+    total, count = 0.0, 0
+    for start in range(0, len(ids), seq_len):
+        w = ids[start:start + seq_len]
+        if len(w) < 2:
+            continue
+        with torch.no_grad():
+            logits = hf_model(input_ids=torch.tensor([w])).logits[0].double()  # [n, V]
+        total += F.cross_entropy(logits[:-1], torch.tensor(w[1:]), reduction="sum").item()
+        count += len(w) - 1
+    return {"perplexity": math.exp(total / count), "nll": total / count, "tokens": count}
+
+
+@pytest.fixture(scope="module")
+def models():
+    hf = make_hf_model(seed=1)
+    return hf, ours_from_hf(hf)
+
+
+@pytest.mark.parametrize("n_tokens, seq_len, batch_size", [(300, 64, 3), (257, 64, 8), (40, 64, 8)])
+def test_perplexity_equals_transformers_protocol(models, n_tokens, seq_len, batch_size):
+    hf, ours = models
+    ids = np.random.default_rng(n_tokens).integers(3, 128, n_tokens).tolist()
+    got = perplexity(ours, ids, seq_len=seq_len, batch_size=batch_size, progress=False)
+    ref = reference_perplexity(hf, ids, seq_len)
+    assert got["tokens"] == ref["tokens"]
+    assert abs(got["nll"] / ref["nll"] - 1) < 1e-4 and abs(got["perplexity"] / ref["perplexity"] - 1) < 1e-4
+
+
+def test_windows_follow_the_protocol():
+    assert [len(w) for w in windows(list(range(300)), 64)] == [64, 64, 64, 64, 44]
+    assert [len(w) for w in windows(list(range(257)), 64)] == [64, 64, 64, 64]  # a 1-token tail predicts nothing
+    assert windows(list(range(130)), 64)[2].tolist() == [128, 129]
+    with pytest.raises(ValueError, match="seq_len"):
+        windows([1, 2, 3], 1)
+
+
+def test_evaluate_text_tokenizes_whole_text(models):
+    from amdllm.tokenizer import load_tokenizer
+    hf, _ = models
+    tok = load_tokenizer("data/tokenizer")
+    text = "Once upon a time, there was a little blue cat named Maya. Maya lived in the house. " * 3
+    ids = tok(text)["input_ids"]
+    assert ids.count(tok.bos_token_id) == 1
+    # a model over the tokenizer's vocabulary; the reference sees the same ids
+    hf_big = make_hf_model(seed=2, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                           eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    ours = ours_from_hf(hf_big)
+    got = evaluate_text(ours, tok, text, seq_len=16, progress=False)
+    ref = reference_perplexity(hf_big, ids, 16)
+    assert got["tokens"] == ref["tokens"] == len(ids) - math.ceil(len(ids) / 16)
+    assert abs(got["perplexity"] / ref["perplexity"] - 1) < 1e-4
+
+
+def test_too_short_is_a_clear_error(models):
+    _, ours = models
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        perplexity(ours, [5], seq_len=16)
