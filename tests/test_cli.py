@@ -1,0 +1,122 @@
+"""The `amdllm doctor / eval / generate` contract (DESIGN.md): with --json exactly one JSON object on
+stdout with the documented keys, numbers equal to transformers on a tiny HF checkpoint directory, clear
+one-line errors; and the silent-CPU-fallback diagnosis on made-up machines."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from amdllm import cli, env
+from tests.test_evaluate import reference_perplexity
+from tests.test_generate import hf_greedy
+from tests.tiny import make_hf_checkpoint
+
+TEXT = ("Once upon a time, there was a little blue cat named Maya. Maya lived in the house. Maya could "
+        "climb trees. One windy morning, Maya went to the field. There, Maya met a gold bear named Lucy.\n")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A random tiny Llama over the course tokenizer's vocabulary, saved by transformers, tokenizer files
+    beside it: a checkpoint directory exactly as `--model` expects."""
+    from amdllm.tokenizer import load_tokenizer
+    tok = load_tokenizer("data/tokenizer")
+    d, hf = make_hf_checkpoint(tmp_path_factory.mktemp("cli"), seed=3, vocab_size=len(tok),
+                               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                               pad_token_id=tok.pad_token_id)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(f"data/tokenizer/{f}", d / f)
+    return d, hf, tok
+
+
+def run_json(capfd, argv):
+    rc = cli.main(argv + ["--json"])
+    out, err = capfd.readouterr()
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert len(lines) == 1, f"stdout must be exactly one JSON line, got: {out!r}"
+    return json.loads(lines[0])
+
+
+def test_eval_json_equals_transformers(ckpt, tmp_path, capfd):
+    d, hf, tok = ckpt
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT * 4)
+    r = run_json(capfd, ["eval", "--model", str(d), "--text", str(text), "--seq-len", "32"])
+    assert set(r) == {"perplexity", "nll", "tokens"}
+    ref = reference_perplexity(hf, tok(TEXT * 4)["input_ids"], 32)
+    assert r["tokens"] == ref["tokens"]
+    assert abs(r["perplexity"] / ref["perplexity"] - 1) < 1e-4
+
+
+def test_generate_json_equals_transformers(ckpt, capfd):
+    d, hf, tok = ckpt
+    prompt = "Once upon a time, there was"
+    r = run_json(capfd, ["generate", "--model", str(d), "--prompt", prompt, "--max-new-tokens", "12"])
+    assert set(r) == {"text", "token_ids", "prompt_tokens", "new_tokens", "tokens_per_second"}
+    ids = tok(prompt)["input_ids"]
+    assert r["prompt_tokens"] == len(ids) and ids[0] == tok.bos_token_id
+    ref = hf_greedy(hf, [ids], 12, eos=tok.eos_token_id, pad=tok.pad_token_id)[0]
+    ref = ref[:ref.index(tok.eos_token_id) + 1] if tok.eos_token_id in ref else ref
+    assert r["token_ids"] == ref and r["new_tokens"] == len(ref)
+    assert r["text"] == tok.decode([t for t in ref if t != tok.eos_token_id], skip_special_tokens=True)
+    assert r["tokens_per_second"] > 0
+    # seeded sampling through the CLI is reproducible
+    argv = ["generate", "--model", str(d), "--prompt", prompt, "--max-new-tokens", "8", "--temperature", "1",
+            "--top-p", "0.9", "--seed", "7"]
+    assert run_json(capfd, argv)["token_ids"] == run_json(capfd, argv)["token_ids"]
+
+
+def test_cli_errors_are_one_line(ckpt, tmp_path, capfd):
+    d, _, _ = ckpt
+    rc = cli.main(["eval", "--model", str(d), "--text", str(tmp_path / "missing.txt"), "--json"])
+    out, err = capfd.readouterr()
+    assert rc == 2 and out == "" and "missing.txt" in err and len(err.strip().splitlines()) == 1
+    rc = cli.main(["generate", "--model", str(tmp_path / "nowhere"), "--prompt", "hi"])
+    out, err = capfd.readouterr()
+    assert rc != 0 and "nowhere" in err
+
+
+def test_doctor_json(capfd):
+    r = run_json(capfd, ["doctor"])
+    for key in ("backend", "jax", "versions", "torch", "system", "env", "warnings", "host_memory_bytes"):
+        assert key in r
+    assert r["backend"] == "cpu" and r["jax"]["devices"][0]["platform"] == "cpu"
+    assert r["versions"]["jax"] and r["versions"]["flax"] and isinstance(r["warnings"], list)
+
+
+def facts(backend="cpu", platform_version="cpu", kfd=False, nvidia=(), torch=None, plugins=None, env_vars=None):
+    """A made-up machine, in the shape `env.collect_facts()` returns."""
+    return {"jax": {"backend": backend, "platform_version": platform_version, "devices": [], "error": None},
+            "system": {"dev_kfd": kfd, "dev_kfd_rw": kfd, "dev_nvidia": list(nvidia), "dev_dri_render": []},
+            "torch": torch or {"installed": True, "hip": None, "cuda": None, "gpu_available": False},
+            "versions": {"jaxlib": "0.10.2"}, "jax_gpu_plugins": plugins or {}, "env": env_vars or {}}
+
+
+def test_silent_cpu_fallback_is_diagnosed():
+    rocm_torch = {"installed": True, "hip": "6.2.41133", "cuda": None, "gpu_available": True, "gpu_count": 8}
+    w = env.diagnose(facts(kfd=True, torch=rocm_torch))
+    assert len(w) == 1 and "JAX runs on the CPU" in w[0] and "/dev/kfd" in w[0] and "ROCm/HIP 6.2" in w[0]
+    assert "jax[rocm]" in w[0] and "rocm/jax" in w[0]  # says how to fix it
+    assert any("JAX runs on the CPU" in m for m in env.diagnose(facts(nvidia=["/dev/nvidia0"])))
+    # a laptop without a GPU, and a machine where JAX does use the GPU: no fallback warning
+    assert env.diagnose(facts()) == []
+    ok = facts(backend="gpu", platform_version="rocm 6.2.41133", kfd=True, torch=rocm_torch,
+               env_vars={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+    assert env.diagnose(ok) == []
+    assert env.backend_name(ok) == "gpu (rocm)"
+    assert env.backend_name(facts(backend="gpu", platform_version="PJRT C API\ncuda 12030")) == "gpu (cuda)"
+
+
+def test_other_setup_warnings():
+    w = env.diagnose(facts(plugins={"jax-rocm7-plugin": "0.9.1"}))
+    assert len(w) == 1 and "jax-rocm7-plugin 0.9.1 does not match jaxlib 0.10.2" in w[0]
+    assert env.diagnose(facts(plugins={"jax-rocm7-plugin": "0.10.2"})) == []
+    assert "hides every GPU" in env.diagnose(facts(env_vars={"HIP_VISIBLE_DEVICES": ""}))[0]
+    broken = facts()
+    broken["jax"]["error"] = "RuntimeError: Unable to initialize backend 'rocm'"
+    assert "could not list its devices" in env.diagnose(broken)[0]
+    gpu_torch = {"installed": True, "hip": "6.2", "cuda": None, "gpu_available": True, "gpu_count": 1}
+    assert "PREALLOCATE" in env.diagnose(facts(backend="gpu", platform_version="rocm", torch=gpu_torch))[0]
