@@ -68,15 +68,14 @@ def hf_tensor_specs(cfg: LlamaConfig) -> dict[str, tuple[str, int | None, bool, 
         shape = ours[name][0][1:] if layer is not None else ours[name][0]
         specs[hf.format(i=layer)] = (name, layer, tr, tuple(reversed(shape)) if tr else tuple(shape))
 
-    for name, hf, tr in NAME_TABLE:
-        if name in ours and not name.startswith("layers/") and name != "norm" and name != "lm_head":
-            add(name, hf, None, tr)
+    # transformers' order (embeddings, layer 0 .. L-1, final norm, head), so a shard holds whole layers
+    add(*NAME_TABLE[0][:2], None, NAME_TABLE[0][2])
     for i in range(cfg.num_hidden_layers):
         for name, hf, tr in NAME_TABLE:
             if name.startswith("layers/"):
                 add(name, hf, i, tr)
-    for name, hf, tr in NAME_TABLE:
-        if name in ("norm", "lm_head") and name in ours:
+    for name, hf, tr in NAME_TABLE[-2:]:
+        if name in ours:  # no lm_head when embeddings are tied
             add(name, hf, None, tr)
     return specs
 
@@ -250,8 +249,8 @@ def _read_block(src: TensorSource, cfg: LlamaConfig, ours: str, index: tuple, dt
     shape = param_table(cfg)[ours][0]
     index = tuple(index) + (slice(None),) * (len(shape) - len(index))
     if not ours.startswith("layers/"):
-        view = src.get(hf)
-        return np.asarray((view.T if tr else view)[index], dtype=dtype)
+        view = src.get(hf)  # always a fresh C-ordered copy: never let a device array alias the file map
+        return np.array((view.T if tr else view)[index], dtype=dtype, order="C")
     layers = range(*index[0].indices(shape[0]))
     rest = index[1:]
     out = None
@@ -295,14 +294,14 @@ def load(path, *, dtype=jnp.float32, compute_dtype=None, mesh=None, rules=None, 
     path = Path(path)
     cfg_file = path / "config.json"
     if not path.is_dir():
-        raise CheckpointError(f"{path}: checkpoint directory not found")
+        raise CheckpointError(f"{path}: not a checkpoint directory" + ("" if path.exists() else " (not found)"))
     if not cfg_file.is_file():
         raise CheckpointError(f"{path}: config.json not found (is this a Hugging Face checkpoint directory?)")
     try:
         raw = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from None
-    if raw.get("quantization_config"):
+    if raw.get("quantization_config") or (path / "quantize_config.json").is_file():
         from amdllm.gptq import load_quantized  # GPTQ format lives with the quantizer
         return load_quantized(path, dtype=dtype, compute_dtype=compute_dtype, mesh=mesh, rules=rules,
                               shardings=shardings, remat=remat)
@@ -310,6 +309,8 @@ def load(path, *, dtype=jnp.float32, compute_dtype=None, mesh=None, rules=None, 
     src = TensorSource(path, allow_pickle=allow_pickle)
     validate(src, cfg)
     dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise CheckpointError(f"dtype={dtype}: parameters must be a floating dtype (float32, bfloat16, float16)")
     model = Llama.abstract(cfg, param_dtype=dtype, dtype=compute_dtype or dtype, remat=remat)
     if shardings is None and mesh is not None:
         from amdllm.sharding import param_shardings
@@ -381,8 +382,9 @@ def _param_value(model: Llama, ours: str):
     owner, attr = (model.layers, ours.split("/")[1]) if ours.startswith("layers/") else (model, ours)
     v = getattr(owner, attr)
     v = v.get_value() if isinstance(v, nnx.Variable) else v
-    if isinstance(v, dict):
-        raise CheckpointError(f"parameter {ours} is GPTQ-quantized; save it with amdllm.gptq, not checkpoint.save")
+    if not hasattr(v, "dtype") or not jnp.issubdtype(v.dtype, jnp.floating):
+        raise CheckpointError(f"parameter {ours} is {type(v).__name__}, not a dense float array (GPTQ-"
+                              "quantized?); save quantized models with amdllm.gptq, not checkpoint.save")
     return v
 
 

@@ -11,7 +11,7 @@ import torch
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from tiny import hf_logits, make_hf_checkpoint, random_tokens
+from tests.tiny import hf_logits, make_hf_checkpoint, random_tokens
 
 from amdllm import checkpoint
 from amdllm.checkpoint import CheckpointError
@@ -202,6 +202,13 @@ def test_missing_config(fresh):
     _one_line_error(CheckpointError, fresh, "config.json not found", str(fresh))
 
 
+def test_not_a_directory_and_bad_dtype(fresh):
+    with pytest.raises(CheckpointError, match="not a checkpoint directory"):
+        checkpoint.load(fresh / "model.safetensors")
+    with pytest.raises(CheckpointError, match="dtype=int32"):
+        checkpoint.load(fresh, dtype=jnp.int32)
+
+
 def test_pickle_refused_unless_allowed(tmp_path):
     ckpt, hf = make_hf_checkpoint(tmp_path)
     torch.save(hf.state_dict(), ckpt / "pytorch_model.bin")
@@ -220,7 +227,7 @@ def test_bad_max_shard_size(f32, tmp_path):
 
 
 # ---- sharded loading ------------------------------------------------------------------------------
-def test_shardings_by_hand(f32):
+def test_shardings_by_hand(f32, tmp_path):
     assert len(jax.devices()) >= 4
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("x", "y"))
     wanted = {
@@ -242,6 +249,10 @@ def test_shardings_by_hand(f32):
         for shard in arr.addressable_shards:
             assert np.array_equal(np.asarray(shard.data), plain[name][shard.index]), name
     assert np.array_equal(np.asarray(got["layers/up_proj"]), plain["layers/up_proj"])  # unlisted: unsharded
+    # saving gathers the sharded arrays tensor by tensor; the result equals the unsharded model
+    checkpoint.save(model, tmp_path / "from_sharded", max_shard_size="40KB")
+    again = _state(checkpoint.load(tmp_path / "from_sharded"))
+    assert all(np.array_equal(again[k], plain[k]) for k in plain)
 
 
 def test_mesh_and_rules(f32):

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tiny import LLAMA3_ROPE, hf_logits, make_hf_checkpoint, random_tokens
+from tests.tiny import LLAMA3_ROPE, hf_logits, make_hf_checkpoint, random_tokens
 
 from amdllm import checkpoint
 
