@@ -7,9 +7,11 @@ colors come back several times. A tiny Llama learns such text well in a couple o
 the instruction task needs.
 
 The instruction task asks questions ("Which animal is in this sentence?", "What color is the fox?")
-whose one-word answer appears in the input. The pretraining corpus never contains a question or the
-word "answer", so the base model does not know the format (it keeps telling stories); a short LoRA
-run teaches it, since the answer only needs to be found and copied.
+whose one-word answer appears in the input. A response starts a line, where byte-level BPE spells a
+word without its leading space ("fox", not " fox"): the stories teach those spellings by quoting
+words (`Tom pointed at the fox and said "fox".`), so answering is copying, not learning to spell.
+The corpus never contains a question, so the base model does not know the format (it keeps telling
+stories); a short LoRA run teaches it, since the answer only needs to be found and copied.
 
     python -m amdllm.corpus [--out data/]     # rewrite data/ (tests check it reproduces the files)
 """
@@ -90,6 +92,14 @@ def story(rng: random.Random) -> str:
     s.append(rng.choice([f"The {animal2} said {ANIMALS[animal2][1]}.", f"{name2} was {rng.choice(ADJECTIVES)}.",
                          f"{name2} said, \"Hello, {name}! Let us play.\""]))
     s.append(f"{name} and {name2} {rng.choice(GAMES)}.")
+    words = {"animal": (f"{name} pointed at the {animal2} and said", animal2),
+             "color": (f"{name2} looked at the {color} {animal} and said", color),
+             "place": (f"{name} looked at the {place} and said", place),
+             "number": (f"{name2} counted {number} stars and said", number),
+             "name": (f"{name2} called out to {name} and said", name),
+             "food": (f"{name} found some {food} and said", food)}
+    for kind in rng.sample(sorted(words), 2):  # a quoted word is written without its leading space
+        s.append(f"{words[kind][0]} \"{words[kind][1]}\".")
     if rng.random() < 0.5:
         s.append(f"They ate {rng.choice(FOODS)} together.")
     s.append(f"When the sun went down, the {color} {animal} went home to the {home}.")

@@ -60,8 +60,12 @@ def train_bpe(text_files: list[str | os.PathLike], vocab_size: int = 2048):
     return tok
 
 
-def save_for_transformers(tok, out_dir: str | os.PathLike, model_max_length: int = 512) -> list[Path]:
-    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json atomically."""
+def save_for_transformers(tok, out_dir: str | os.PathLike) -> list[Path]:
+    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json atomically.
+
+    No `model_max_length`: tokenizing a whole text (the perplexity protocol, the training stream)
+    is normal here, and the model's limit lives in config.json (max_position_embeddings).
+    """
     from amdllm.io import atomic_write_text
 
     out = Path(out_dir)
@@ -71,7 +75,7 @@ def save_for_transformers(tok, out_dir: str | os.PathLike, model_max_length: int
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS, "pad_token": PAD,
         "add_bos_token": True, "add_eos_token": False, "clean_up_tokenization_spaces": False,
-        "model_max_length": model_max_length, "model_input_names": ["input_ids", "attention_mask"],
+        "model_input_names": ["input_ids", "attention_mask"],
         "added_tokens_decoder": added,
     }
     files = {
