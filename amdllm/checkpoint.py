@@ -162,7 +162,14 @@ class TensorSource:
                     "loaded); convert to safetensors, or pass allow_pickle=True if you trust the source")
             import torch
             for b in bins:
-                sd = torch.load(b, map_location="cpu", weights_only=True, mmap=True)
+                try:  # mmap keeps host memory low; legacy (non-zip) pickles cannot be mapped
+                    sd = torch.load(b, map_location="cpu", weights_only=True, mmap=True)
+                except RuntimeError:
+                    try:
+                        sd = torch.load(b, map_location="cpu", weights_only=True)
+                    except Exception as e:
+                        raise CheckpointError(f"{b}: cannot read PyTorch weights ({type(e).__name__}: "
+                                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
                 for name in sd:
                     self._where[name] = sd
 
