@@ -45,21 +45,29 @@ def sample_token(logits, key, temperature, top_p):
 
     temperature 0 is greedy (argmax). Otherwise nucleus sampling: keep the smallest set of most likely
     tokens whose probability reaches top_p (the most likely token is always kept, so a tiny top_p is
-    greedy), renormalise, sample. One key per row (folded in by the caller) keeps rows independent.
+    greedy; top_p 1 keeps all), renormalise, sample. The draw happens in vocabulary order whatever the
+    other rows ask for, so a row samples the same token alone or in any batch; one key per row (row
+    index folded in) keeps rows independent. The sort is skipped when no row needs it (all greedy, or
+    all top_p = 1), which matters for a 128k vocabulary.
     """
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    t = jnp.maximum(temperature, 1e-6)[:, None]
-    scaled = logits / t
-    order = jnp.argsort(-scaled, axis=-1)                                   # [B, V] descending
-    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs                             # mass strictly above this token
-    keep = before < top_p[:, None]                                          # first token: before=0 -> kept
-    sorted_logits = jnp.where(keep, sorted_logits, -jnp.inf)
-    keys = jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(logits.shape[0]))
-    pick = jax.vmap(jax.random.categorical)(keys, sorted_logits)            # index into the sorted order
-    sampled = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled, greedy)
+
+    def nucleus(scaled):                                                    # [B, V] -> masked [B, V]
+        desc = -jnp.sort(-scaled, axis=-1)
+        probs = jax.nn.softmax(desc, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs                         # mass strictly above
+        keep = (before < top_p[:, None]) | (top_p[:, None] >= 1.0)          # first token: before=0
+        cutoff = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)  # smallest kept logit
+        return jnp.where(scaled >= cutoff, scaled, -jnp.inf)
+
+    def sampled(_):
+        scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+        scaled = jax.lax.cond(jnp.all(top_p >= 1.0), lambda s: s, nucleus, scaled)
+        keys = jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(logits.shape[0]))
+        return jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+
+    tok = jax.lax.cond(jnp.any(temperature > 0), sampled, lambda _: greedy, None)
+    return jnp.where(temperature > 0, tok, greedy)
 
 
 # --------------------------------------------------------------------------------------------------
