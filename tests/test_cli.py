@@ -51,6 +51,29 @@ def test_eval_json_equals_transformers(ckpt, tmp_path, capfd):
     assert abs(r["perplexity"] / ref["perplexity"] - 1) < 1e-4
 
 
+def test_eval_with_peft_adapter_and_bf16(ckpt, tmp_path, capfd):
+    """--adapter applies a PEFT-written LoRA adapter: perplexity equals peft's model; --dtype bfloat16
+    stays within 2% of float32."""
+    import copy
+    from peft import LoraConfig, get_peft_model
+    d, hf, tok = ckpt
+    lcfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                      init_lora_weights=False, task_type="CAUSAL_LM")  # random A and B: not a no-op
+    peft_model = get_peft_model(copy.deepcopy(hf), lcfg).eval()
+    peft_model.save_pretrained(tmp_path / "adapter")
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT * 2)
+    ids = tok(TEXT * 2)["input_ids"]
+    r = run_json(capfd, ["eval", "--model", str(d), "--adapter", str(tmp_path / "adapter"), "--text",
+                         str(text), "--seq-len", "32"])
+    ref = reference_perplexity(peft_model, ids, 32)
+    assert abs(r["perplexity"] / ref["perplexity"] - 1) < 1e-4
+    assert abs(r["perplexity"] / reference_perplexity(hf, ids, 32)["perplexity"] - 1) > 1e-3  # it mattered
+    bf = run_json(capfd, ["eval", "--model", str(d), "--text", str(text), "--seq-len", "32", "--dtype", "bfloat16"])
+    f32 = reference_perplexity(hf, ids, 32)["perplexity"]
+    assert bf["tokens"] == r["tokens"] and abs(bf["perplexity"] / f32 - 1) < 0.02
+
+
 def test_generate_json_equals_transformers(ckpt, capfd):
     d, hf, tok = ckpt
     prompt = "Once upon a time, there was"
