@@ -35,7 +35,7 @@ NOTEBOOKS = ("00_setup", "01_weight_conversion", "02_mesh_sharding", "03_lora_fi
 QUICK_PARAMS: dict[str, dict] = {
     "03_lora_finetuning": {"train_steps": 60, "eval_examples": 24},
     "04_gptq_quantization": {"calib_samples": 8, "eval_tokens": 2048},
-    "05_inference_and_serving": {"max_new_tokens": 16},
+    "05_inference_and_serving": {"max_new_tokens": 16, "lora_steps": 60, "calib_samples": 8},
 }
 
 # Which recorded results the summary shows, per notebook: (results key, label, format).
@@ -129,12 +129,12 @@ def run_one(name: str, out: str | os.PathLike, *, quick: bool = False, timeout: 
 
 
 def run(out: str | os.PathLike, *, quick: bool = False, only: list[str] | None = None,
-        timeout: int = 1200) -> list[dict]:
+        timeout: int = 1200, parameters: dict | None = None) -> list[dict]:
     names = resolve(only)
     recs = []
     for name in names:
         print(f"[{time.strftime('%H:%M:%S')}] running {name} ...", file=sys.stderr, flush=True)
-        rec = run_one(name, out, quick=quick, timeout=timeout)
+        rec = run_one(name, out, quick=quick, timeout=timeout, parameters=parameters)
         print(f"[{time.strftime('%H:%M:%S')}] {name}: {'ok' if rec['ok'] else 'FAILED'} in {rec['seconds']} s",
               file=sys.stderr, flush=True)
         recs.append(rec)
@@ -153,6 +153,21 @@ def resolve(only: list[str] | None) -> list[str]:
             raise ValueError(f"unknown notebook {key!r}: expected one of {', '.join(NOTEBOOKS)}")
         names += hits
     return names
+
+
+def parse_params(items: list[str] | None) -> dict:
+    """["model_dir=/data/x", "train_steps=300"] -> {"model_dir": "/data/x", "train_steps": 300} (JSON values
+    where they parse, strings otherwise)."""
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise ValueError(f"--param {item!r}: expected NAME=VALUE, e.g. --param model_dir=/data/llama")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
 
 
 def _fmt(value, fmt: str) -> str:
@@ -238,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--quick", action="store_true", help="small sizes (what the tests use)")
     r.add_argument("--only", default=None, help="comma-separated notebooks, e.g. 01,03")
     r.add_argument("--timeout", type=int, default=1200, help="seconds per cell")
+    r.add_argument("--param", action="append", metavar="NAME=VALUE",
+                   help="override a notebook parameter (all notebooks), e.g. --param model_dir=/data/llama")
     r.add_argument("--json", action="store_true", help="print summary.json instead of the text summary")
     s = sub.add_parser("strip", help="remove outputs/execution counts from notebooks (default: all)")
     s.add_argument("paths", nargs="*")
@@ -246,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "run":
         try:
             recs = run(args.out, quick=args.quick, only=args.only.split(",") if args.only else None,
-                       timeout=args.timeout)
+                       timeout=args.timeout, parameters=parse_params(args.param))
         except (ValueError, FileNotFoundError) as e:
             print(f"amdllm.notebooks: error: {e}", file=sys.stderr)
             return 2

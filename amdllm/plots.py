@@ -57,10 +57,12 @@ def loss_curve(steps: Sequence[int], losses: Sequence[float], *, eval_points: Ma
     ax.legend()
     if panels == 2:
         ax2 = axes[0, 1]
-        ax2.plot(steps[: len(tokens_per_second)], tokens_per_second, color=COLORS[2])
+        tps = np.asarray(tokens_per_second, dtype=float)
+        ok = tps > 0  # a step that included compilation is logged as 0
+        ax2.plot(steps[: len(tps)][ok], tps[ok], color=COLORS[2])
         ax2.set_xlabel("step")
         ax2.set_ylabel("tokens / s")
-        ax2.set_title("throughput (first steps include compilation)")
+        ax2.set_title("training throughput")
         ax2.set_ylim(bottom=0)
     return _done(fig)
 
@@ -115,7 +117,7 @@ def quant_grid(weights: np.ndarray, dequantized: np.ndarray, *, bits: int,
     ax.set_xlabel("position in the group")
     ax.set_ylabel("value")
     ax.set_title(f"{title} ({2 ** bits} levels)")
-    ax.legend(loc="upper right", fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     return _done(fig)
 
 
@@ -163,7 +165,7 @@ def grouped_bars(values: Mapping[str, Mapping[str, float]], *, ylabel: str, titl
 def memory_breakdown(parts: Mapping[str, float], *, capacity_gb: float | None = None,
                      title: str = "memory per device"):
     """One horizontal stacked bar of GB per part (weights, LoRA, optimizer, ...) against the capacity."""
-    fig, ax = plt.subplots(figsize=(8, 2.3))
+    fig, ax = plt.subplots(figsize=(9, 2.2))
     left = 0.0
     for i, (name, gb) in enumerate(parts.items()):
         if gb <= 0:
@@ -177,7 +179,7 @@ def memory_breakdown(parts: Mapping[str, float], *, capacity_gb: float | None = 
     ax.set_xlim(0, max(left, capacity_gb or 0) * 1.05 or 1)
     fits = "" if capacity_gb is None else ("  -> fits" if left <= capacity_gb else "  -> does NOT fit")
     ax.set_title(f"{title}: {left:.3g} GB{fits}")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=3, fontsize=8, frameon=False)
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False)
     return _done(fig)
 
 
