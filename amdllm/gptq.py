@@ -12,7 +12,9 @@ the updated columns, i.e. the algorithm as the paper states it. For G a multiple
 both are identical -- tests/test_gptq.py checks both cases against a NumPy transcription.
 
 Scales are rounded to fp16 *when chosen* (`scale_dtype`), so the error feedback sees exactly the
-weights the checkpoint will hold; `scale_dtype=jnp.float32` reproduces the reference bit for bit.
+weights the checkpoint will hold. (It also makes results reproducible: with fp32 scales a symmetric
+row's extreme weight sits exactly on a .5 rounding tie, and XLA:CPU's vectorised division is not
+correctly rounded, so one ulp decides the code and the error feedback spreads the flip.)
 
 Packing, the quantized matmul and checkpoint I/O live in `amdllm.quant_format`; calibration through
 the model and the reports in `amdllm.gptq_calib`. The public names are re-exported here.

@@ -192,10 +192,7 @@ def devices_needed(total_bytes: float, device_gb: float = 192.0, usable: float =
 # CLI
 # --------------------------------------------------------------------------------------------------
 def _load_model(model_dir):
-    try:
-        from amdllm.checkpoint import load
-    except ImportError:  # checkpoint.py not there yet: our loader reads dense HF Llama dirs too
-        from amdllm.quant_format import load_quantized as load
+    from amdllm.checkpoint import load
     return load(model_dir)
 
 

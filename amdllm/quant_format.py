@@ -283,7 +283,7 @@ def _load_quant_proj(t, name, K, N, qc, path):
 
 
 def load_quantized(path, *, dtype=jnp.float32, compute_dtype=None, mesh=None, rules=None,
-                   shardings=None, **_ignored):
+                   shardings=None, remat: bool = False, **_ignored):
     """A GPTQ (or dense) HF Llama directory -> `Llama` with QuantLinear projections (packed, on device).
 
     dtype: for the non-quantized tensors (embeddings, norms, lm_head, dense projections);
@@ -298,7 +298,7 @@ def load_quantized(path, *, dtype=jnp.float32, compute_dtype=None, mesh=None, ru
     quantized = "quantization_config" in raw or (path / "quantize_config.json").exists()
     qc = read_quant_config(path) if quantized else None
     t = read_checkpoint_tensors(path)
-    model = Llama.abstract(cfg, param_dtype=dtype, dtype=compute_dtype or dtype)
+    model = Llama.abstract(cfg, param_dtype=dtype, dtype=compute_dtype or dtype, remat=remat)
     table = param_table(cfg)
     L, D, V = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size
 
