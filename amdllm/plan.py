@@ -13,12 +13,14 @@ Memory per device, by part (GB = 1e9 bytes, as accelerator vendors count):
   * activations what the backward pass needs, per token on this device (batch is split over the
                 rules' batch axes, heads/MLP over tensor). With b = bytes of the compute dtype,
                 S = sequence length, H = heads, q = H*hd, kv = Hkv*hd, F = MLP width, per layer:
-                    b * (4D + 3q + 3kv + 4F)  +  H * S * (4 + b)
+                    b * (4D + 3q + 3kv + 4F)  +  H * S * (8 + b)
                 (x, two norm outputs, residual; q, k, v and roped q, k, attention output; gate, up,
-                silu(gate), silu(gate)*up; float32 scores and their probabilities), times L layers.
-                With remat (jax.checkpoint per layer) only each layer's input b*D is kept, plus one
-                layer recomputed at a time. The head adds float32 logits and log-probabilities: 8V.
-                Inference (no gradient): one layer's working set plus float32 logits.
+                silu(gate), silu(gate)*up; float32 scores and softmax output, probabilities in the
+                compute dtype), times L layers. With remat (jax.checkpoint per layer) only each
+                layer's input b*D is kept, plus one layer recomputed at a time. The head adds float32
+                logits and log-probabilities: 8V.
+                Inference (no gradient) holds one layer at a time: float32 scores 4*H*S, the layer's
+                input and projections b*(D + q + 2kv + F), and float32 logits 4V.
 Not modelled: XLA temporaries beyond these (all-gathered FSDP weights in flight, fusion buffers),
 allocator fragmentation, and eager-mode copies. `tests/test_plan.py` compares the activation and
 total figures with XLA's own `memory_analysis()` and states the tolerance.
@@ -134,10 +136,10 @@ def activation_bytes(cfg, *, batch_per_device: float, seq_len: int, tensor: int 
     b, D, F, L = _bytes(dtype), cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
     q, kv, H, V = cfg.q_dim / tensor, cfg.kv_dim / tensor, cfg.num_attention_heads / tensor, cfg.vocab_size
     tokens = batch_per_device * seq_len
-    layer = b * (4 * D + 3 * q + 3 * kv + 4 * F) + H * seq_len * (4 + b)  # per token
+    layer = b * (4 * D + 3 * q + 3 * kv + 4 * F) + H * seq_len * (8 + b)  # per token
     head = 8 * V / tensor  # float32 logits + log-softmax
-    if not training:
-        return int(tokens * (layer + 4 * V / tensor))
+    if not training:  # one layer live at a time, nothing kept for a backward pass
+        return int(tokens * (4 * H * seq_len + b * (D + q + 2 * kv + F) + 4 * V / tensor))
     kept = L * b * D + layer if remat else L * layer
     return int(tokens * (kept + head))
 
