@@ -86,23 +86,29 @@ def _compiled(model):
     dtype, lora_scale = model.dtype, float(model.lora_scale)
 
     def run(top, layers, tokens, positions, segment_ids, cache, cache_index):
-        return forward(cfg, top, layers, tokens, positions=positions, segment_ids=segment_ids,
-                       cache=cache, cache_index=cache_index, dtype=dtype, lora_scale=lora_scale)
+        # logits at the LAST position only: a prefill's [B, P, V] float32 logits would be 8 GB for
+        # 8 x 2048 tokens of a 128k vocabulary, and only the last column is ever used
+        h, cache = forward(cfg, top, layers, tokens, positions=positions, segment_ids=segment_ids,
+                           cache=cache, cache_index=cache_index, dtype=dtype, lora_scale=lora_scale,
+                           return_hidden=True)                                  # [B, T, D] normed
+        head = top["lm_head"] if "lm_head" in top else top["embed_tokens"].T   # tied: the embeddings
+        logits = jnp.dot(h[:, -1], head.astype(dtype), preferred_element_type=jnp.float32)  # [B, V]
+        return logits, cache
 
     def prefill(top, layers, tokens, positions, segment_ids, key, temperature, top_p, cache_len):
         # tokens/positions/segment_ids [B, P] left-padded; cache_len (static) fixes the cache shape
         cache = init_cache(cfg, tokens.shape[0], cache_len, dtype)
-        logits, cache = run(top, layers, tokens, positions, segment_ids, cache, 0)   # [B, P, V]
-        last = logits[:, -1]                    # left padding: the last column is real for every row
+        # left padding: the last column is a real token for every row
+        last, cache = run(top, layers, tokens, positions, segment_ids, cache, 0)       # [B, V]
         tok = sample_token(last, jax.random.fold_in(key, 0), temperature, top_p)
         return tok, last, cache
 
     def step(top, layers, tok, pos, cache: KVCache, cache_index, i, key, temperature, top_p):
         # tok/pos [B]: the token just produced and its RoPE position; written at slot cache_index
         logits, cache = run(top, layers, tok[:, None], pos[:, None], jnp.ones_like(tok)[:, None],
-                            cache, cache_index)                                      # [B, 1, V]
-        nxt = sample_token(logits[:, 0], jax.random.fold_in(key, i), temperature, top_p)
-        return nxt, logits[:, 0], cache
+                            cache, cache_index)                                      # [B, V]
+        nxt = sample_token(logits, jax.random.fold_in(key, i), temperature, top_p)
+        return nxt, logits, cache
 
     # the cache is rewritten every step: donate it so XLA updates it in place (not on CPU, where
     # donation is unimplemented and only prints a warning)

@@ -244,11 +244,11 @@ def forward(cfg: LlamaConfig, top: dict, layers: dict, tokens, *, positions=None
     kvs = None if cache is None else (cache.k, cache.v)
     x, new_kv = jax.lax.scan(body, x, (layers, kvs, jnp.arange(cfg.num_hidden_layers)))
     x = rms_norm(x, top["norm"], cfg.rms_norm_eps)
-    if return_hidden:
-        return x, None
+    new_cache = None if cache is None else KVCache(new_kv[0], new_kv[1], valid)
+    if return_hidden:  # e.g. a prefill that needs logits at the last position only (not [B, T, V])
+        return x, new_cache
     head = top["lm_head"] if "lm_head" in top else top["embed_tokens"].T  # tied: reuse embeddings
     logits = jnp.dot(x, head.astype(dtype), preferred_element_type=jnp.float32)  # [B, T, V] float32
-    new_cache = None if cache is None else KVCache(new_kv[0], new_kv[1], valid)
     return logits, new_cache
 
 
