@@ -63,6 +63,7 @@ class _Row:
     out_ids: list[int] = field(default_factory=list)
     pending: int = 0           # last sampled token, fed at the next step
     pending_eos: int = -1      # the EOS token that ended the row
+    unsent: list[int] = field(default_factory=list)  # token ids whose text is held back so far
 
 
 class TextStream:
@@ -306,10 +307,12 @@ class Engine:
             r.pending_eos = token
             return self._finish(row, "stop", eos=True)
         r.out_ids.append(token)
+        r.unsent.append(token)
         r.pending = token
         delta, stopped = r.stream.push(r.out_ids)
         if delta:
-            req.emit("delta", {"text": delta, "token_ids": [token]})
+            req.emit("delta", {"text": delta, "token_ids": r.unsent})
+            r.unsent = []
         if stopped:
             return self._finish(row, "stop")
         if len(r.out_ids) >= req.max_tokens:
@@ -319,8 +322,8 @@ class Engine:
         r = self.rows[row]
         self.rows[row] = None
         tail = r.stream.flush()  # text held back as a possible stop-string start, or a cut character
-        if tail:
-            r.req.emit("delta", {"text": tail, "token_ids": []})
+        if tail or r.unsent:
+            r.req.emit("delta", {"text": tail, "token_ids": r.unsent})
         n_out = len(r.out_ids) + (1 if eos else 0)  # the EOS token was generated too
         ids = r.out_ids + ([r.pending_eos] if eos else [])  # like generate: token_ids include the EOS
         r.req.emit("done", {"finish_reason": reason, "text": r.stream.text, "token_ids": ids,
