@@ -1,0 +1,83 @@
+"""Shared helpers for the benchmark scripts: alternate the two sides, report median and spread, write JSON.
+
+Every script runs both sides on the same machine in the same run (alternating, after a warm-up), so a
+ratio is meaningful even on a noisy machine; absolute figures are printed with the machine they came from.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+
+def machine_info() -> dict:
+    import jax
+    info = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "python": sys.version.split()[0],
+            "platform": platform.platform(), "cpu_count": os.cpu_count(), "jax": jax.__version__,
+            "jax_backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()]}
+    try:
+        import torch
+        info["torch"] = torch.__version__
+        info["torch_threads"] = torch.get_num_threads()
+    except ImportError:
+        pass
+    try:
+        import transformers
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    try:
+        info["cpu_model"] = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                                 if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return info
+
+
+def summarize(samples: list[float]) -> dict:
+    s = sorted(samples)
+    return {"median": statistics.median(s), "min": s[0], "max": s[-1], "n": len(s),
+            "spread_pct": 100.0 * (s[-1] - s[0]) / statistics.median(s) if statistics.median(s) else 0.0}
+
+
+def alternate(sides: dict, repeats: int, warmup: int = 1) -> dict[str, dict]:
+    """Run each side's callable `warmup` times, then `repeats` rounds A, B, A, B...; returns seconds stats."""
+    for fn in sides.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in sides}
+    for _ in range(repeats):
+        for name, fn in sides.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: summarize(ts) for name, ts in times.items()}
+
+
+def write_json(result: dict, out: str | os.PathLike | None, name: str) -> Path | None:
+    if out is None:
+        return None
+    path = Path(out) / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"benchmark": name, "machine": machine_info(), **result}, indent=2) + "\n")
+    print(f"wrote {path}")
+    return path
+
+
+def table(rows: list[dict], cols: list[str]) -> str:
+    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols]
+    line = " | ".join(c.ljust(w) for c, w in zip(cols, widths))
+    sep = "-+-".join("-" * w for w in widths)
+    body = "\n".join(" | ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(cols, widths)) for r in rows)
+    return f"{line}\n{sep}\n{body}"
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+    return "" if v is None else str(v)
