@@ -17,6 +17,7 @@ How it works, and why:
 from __future__ import annotations
 
 import json
+import mmap
 import re
 import warnings
 from pathlib import Path
@@ -131,6 +132,18 @@ class SafetensorsFile:
         dt, shape, b, e = self.tensors[name]
         return self._map[self.data_start + b:self.data_start + e].view(dt).reshape(shape)
 
+    def release(self, name: str) -> None:
+        """Drop this process's mapped pages of tensor `name` (they stay in the page cache and are
+        re-read if touched again), so a sharded load's resident memory is what it owns, not the
+        file pages its column slices touched."""
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        if self._map is None or advice is None:
+            return
+        _, _, b, e = self.tensors[name]
+        start = (self.data_start + b) // mmap.PAGESIZE * mmap.PAGESIZE  # madvise wants page alignment
+        if self.data_start + e > start:
+            self._map._mmap.madvise(advice, start, self.data_start + e - start)
+
 
 class TensorSource:
     """All tensors of a checkpoint directory (one file, index + shards, or opted-in pickles) by name."""
@@ -192,6 +205,11 @@ class TensorSource:
     def get(self, name: str) -> np.ndarray:
         src = self._where[name]
         return src.get(name) if isinstance(src, SafetensorsFile) else _torch_np(src[name])
+
+    def release(self, name: str) -> None:
+        src = self._where[name]
+        if isinstance(src, SafetensorsFile):
+            src.release(name)
 
 
 def _read_weight_map(index: Path) -> dict[str, str]:
@@ -257,7 +275,9 @@ def _read_block(src: TensorSource, cfg: LlamaConfig, ours: str, index: tuple, dt
     index = tuple(index) + (slice(None),) * (len(shape) - len(index))
     if not ours.startswith("layers/"):
         view = src.get(hf)  # always a fresh C-ordered copy: never let a device array alias the file map
-        return np.array((view.T if tr else view)[index], dtype=dtype, order="C")
+        out = np.array((view.T if tr else view)[index], dtype=dtype, order="C")
+        src.release(hf)
+        return out
     layers = range(*index[0].indices(shape[0]))
     rest = index[1:]
     out = None
@@ -267,6 +287,7 @@ def _read_block(src: TensorSource, cfg: LlamaConfig, ours: str, index: tuple, dt
         if out is None:
             out = np.empty((len(layers),) + block.shape, dtype)
         out[j] = block                       # the cast happens here, one layer at a time
+        src.release(hf.format(i=i))          # a column slice touched every page: let them go
     return out if out is not None else np.empty((0,) + shape[1:], dtype)
 
 

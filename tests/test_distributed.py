@@ -3,7 +3,8 @@
 * 2 processes x 4 CPU devices load a checkpoint sharded over all 8 and reproduce the
   single-process logits.
 * 4 processes x 2 CPU devices load a ~280 MB float32 checkpoint (fsdp over 8 devices) and each
-  process's peak anonymous memory during the load is measured: about its quarter, not the model.
+  process's peak memory during the load is measured: about its quarter, not the model (measured:
+  owns 70 MB, peak +92..95 MB anonymous, VmHWM +96..101 MB, for a 279 MB model).
 Every child is killed in `finally`, whatever happens.
 """
 import json
@@ -110,8 +111,10 @@ def test_sharded_load_peak_memory(tmp_path):
         f"VmHWM +{m['hwm_delta'] / mb:.0f} MB" for m in mems))
     for m in mems:
         assert abs(m["owned"] - total / 4) < 0.01 * total  # each process holds its quarter (norms replicated)
-        # the load allocates about what the process owns, far below the whole model
+        # the load allocates about what the process owns, far below the whole model; VmHWM also
+        # counts the mapped file pages the loader touched (it releases them tensor by tensor)
         assert m["anon_peak_delta"] < 0.45 * total, m
+        assert m["hwm_delta"] < 0.5 * total, m
 
 
 def test_detect_sources():
