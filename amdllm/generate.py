@@ -147,6 +147,15 @@ class Decoder:
     """Streaming batched decoding for one model. `stream` yields, per step, one new token id per row
     (None once that row has finished); `return_logits=True` yields (tokens, logits [B, V]) instead."""
 
+    def tokens_per_second(self) -> float:
+        """Steady decode throughput of the last `stream`, all rows together: tokens from the third step
+        on over their time, so neither compilation (first prefill and first step) nor the prefill
+        counts; with fewer than 3 steps, all tokens over the whole time."""
+        t, c = self.times, self.counts
+        if len(c) >= 3:
+            return sum(c[2:]) / max(t[-1] - t[2], 1e-9)
+        return sum(c) / max(t[-1] - t[0], 1e-9) if c else 0.0
+
     def __init__(self, model, *, eos_ids: Sequence[int] = (), pad_id: int = 0):
         self.model = model
         self.eos_ids = tuple(sorted({int(e) for e in eos_ids}))
@@ -156,6 +165,8 @@ class Decoder:
     def stream(self, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int = 64, *,
                temperature=0.0, top_p=1.0, seed: int = 0, return_logits: bool = False
                ) -> Iterator[list]:
+        # times[0]: start; times[k]: step k's tokens on the host; counts[k-1]: how many rows produced one
+        self.times, self.counts = [time.perf_counter()], []
         if max_new_tokens < 1:
             return
         top, layers = to_pure(self.model)
@@ -172,6 +183,8 @@ class Decoder:
         for i in range(max_new_tokens):
             host = np.asarray(tok)
             out = [None if d else int(t) for d, t in zip(done, host)]
+            self.times.append(time.perf_counter())
+            self.counts.append(sum(t is not None for t in out))
             done = done | np.isin(host, eos)
             yield (out, logits) if return_logits else out
             if done.all() or i == max_new_tokens - 1:
@@ -183,10 +196,12 @@ class Decoder:
 
 def generate_ids(model, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int = 64, *,
                  temperature=0.0, top_p=1.0, seed: int = 0, eos_ids: Sequence[int] | None = None,
-                 pad_id: int = 0, keep_eos: bool = True) -> list[list[int]]:
-    """Token ids in, new token ids out (one list per prompt; EOS included unless keep_eos=False)."""
+                 pad_id: int = 0, keep_eos: bool = True, decoder: Decoder | None = None
+                 ) -> list[list[int]]:
+    """Token ids in, new token ids out (one list per prompt; EOS included unless keep_eos=False).
+    Pass your own `decoder` to read its timings (`decoder.tokens_per_second()`) afterwards."""
     eos = model.cfg.eos_ids if eos_ids is None else eos_ids
-    dec = Decoder(model, eos_ids=eos, pad_id=pad_id)
+    dec = decoder or Decoder(model, eos_ids=eos, pad_id=pad_id)
     out: list[list[int]] = [[] for _ in prompt_ids]
     for step in dec.stream(prompt_ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed):
         for row, t in enumerate(step):
@@ -216,17 +231,17 @@ def generate(model, tokenizer, prompts: str | list[str], max_new_tokens: int = 6
             raise ValueError(f"prompt {p!r} tokenizes to no tokens (and the tokenizer adds no BOS)")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     eos = tokenizer_eos_ids(model, tokenizer)
-    t0 = time.perf_counter()
+    dec = Decoder(model, eos_ids=eos, pad_id=pad)
     new = generate_ids(model, prompt_ids, max_new_tokens, temperature=temperature, top_p=top_p,
-                       seed=seed, eos_ids=eos, pad_id=pad)
-    dt = time.perf_counter() - t0
+                       seed=seed, decoder=dec)
+    rate = dec.tokens_per_second()
     results = []
     for ids, toks in zip(prompt_ids, new):
         results.append({
             "text": tokenizer.decode([t for t in toks if t not in eos], skip_special_tokens=True),
             "token_ids": toks, "prompt_tokens": len(ids), "new_tokens": len(toks),
-            # wall time of the whole batch (prefill + decode, compilation included on a first call)
-            "tokens_per_second": sum(len(t) for t in new) / dt if dt > 0 else 0.0,
+            # steady decode rate of the whole batch (compilation and prefill excluded; see Decoder)
+            "tokens_per_second": rate,
         })
     return results
 
