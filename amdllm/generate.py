@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import jax
@@ -147,15 +146,6 @@ class Decoder:
     """Streaming batched decoding for one model. `stream` yields, per step, one new token id per row
     (None once that row has finished); `return_logits=True` yields (tokens, logits [B, V]) instead."""
 
-    def tokens_per_second(self) -> float:
-        """Steady decode throughput of the last `stream`, all rows together: tokens from the third step
-        on over their time, so neither compilation (first prefill and first step) nor the prefill
-        counts; with fewer than 3 steps, all tokens over the whole time."""
-        t, c = self.times, self.counts
-        if len(c) >= 3:
-            return sum(c[2:]) / max(t[-1] - t[2], 1e-9)
-        return sum(c) / max(t[-1] - t[0], 1e-9) if c else 0.0
-
     def __init__(self, model, *, eos_ids: Sequence[int] = (), pad_id: int = 0):
         self.model = model
         self.eos_ids = tuple(sorted({int(e) for e in eos_ids}))
@@ -192,6 +182,15 @@ class Decoder:
             tok = jnp.asarray(np.where(done, self.pad_id, host).astype(np.int32))
             tok, logits, cache = self.step(top, layers, tok, pos, cache, P + i, i + 1, key, temp, tp)
             pos = pos + 1
+
+    def tokens_per_second(self) -> float:
+        """Steady decode throughput of the last `stream`, all rows together: tokens from the third step
+        on over their time, so neither compilation (first prefill and first step) nor the prefill
+        counts; with fewer than 3 steps, all tokens over the whole time."""
+        t, c = self.times, self.counts
+        if len(c) >= 3:
+            return sum(c[2:]) / max(t[-1] - t[2], 1e-9)
+        return sum(c) / max(t[-1] - t[0], 1e-9) if c else 0.0
 
 
 def generate_ids(model, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int = 64, *,
