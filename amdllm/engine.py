@@ -146,12 +146,15 @@ class Engine:
             sub = KVCache(jax.lax.dynamic_slice(cache.k, (0, row, 0, 0, 0), (L, 1, S, Hkv, hd)),
                           jax.lax.dynamic_slice(cache.v, (0, row, 0, 0, 0), (L, 1, S, Hkv, hd)),
                           jnp.zeros((1, S), bool))
-            logits, sub = forward(cfg, top, layers, tokens, positions=positions, segment_ids=seg,
-                                  cache=sub, cache_index=start, dtype=dtype, lora_scale=lscale)
+            x, sub = forward(cfg, top, layers, tokens, positions=positions, segment_ids=seg, cache=sub,
+                             cache_index=start, dtype=dtype, lora_scale=lscale, return_hidden=True)
+            # logits at the last position only: [1, V], not [1, P, V] (a 128k vocabulary makes that big)
+            head = top["lm_head"] if "lm_head" in top else top["embed_tokens"].T
+            last = jnp.dot(x[:, -1], head.astype(dtype), preferred_element_type=jnp.float32)
             cache = KVCache(jax.lax.dynamic_update_slice(cache.k, sub.k, (0, row, 0, 0, 0)),
                             jax.lax.dynamic_update_slice(cache.v, sub.v, (0, row, 0, 0, 0)),
                             jax.lax.dynamic_update_slice(cache.valid, sub.valid, (row, 0)))
-            tok = sample_rows(logits[:, -1], key[None], jnp.zeros((1,), jnp.int32), temp, top_p)
+            tok = sample_rows(last, key[None], jnp.zeros((1,), jnp.int32), temp, top_p)
             return tok[0], cache
 
         def step(top, layers, cache, tok, pos, active, c, keys, k, temp, top_p):

@@ -330,3 +330,40 @@ def test_engine_joins_running_batch_and_shifts_the_cache(served):
     assert results["y"]["token_ids"] == ry["token_ids"]
     assert results["z"]["token_ids"] == rz["token_ids"]
     assert eng.stats["shifts"] == before["shifts"] + 1
+
+
+def test_serves_gptq_checkpoint_with_lora_adapter(served, tmp_path):
+    """`--model GPTQ_DIR --adapter DIR`: 4-bit projections plus LoRA, loaded from disk by the server's own
+    loader; greedy output equals `generate` on the same model, and the adapter changes it."""
+    import jax
+
+    from amdllm.checkpoint import load
+    from amdllm.generate import generate, load_model
+    from amdllm.gptq import QuantSpec
+    from amdllm.gptq_calib import quantize_model
+    from amdllm.lora import apply_lora, lora_params, save_adapter, set_lora_params
+    from amdllm.quant_format import quant_config_dict, save_quantized
+    from amdllm.serve import start_server
+
+    spec = QuantSpec(bits=4, group_size=32)
+    qmodel, _ = quantize_model(load(served["dir"]), None, spec, method="rtn", progress=False)
+    gdir = save_quantized(qmodel, tmp_path / "gptq", quant_config_dict(4, 32, True, False),
+                          tokenizer_from=served["dir"])
+    lmodel = apply_lora(load(served["dir"]), rank=4, alpha=8)
+    keys = iter(jax.random.split(jax.random.key(1), 64))
+    set_lora_params(lmodel, {k: 0.3 * jax.random.normal(next(keys), v.shape) for k, v in lora_params(lmodel).items()})
+    adir = save_adapter(lmodel, tmp_path / "adapter")
+
+    model, tok, _ = load_model(gdir, adir)
+    from amdllm.quant_format import QuantLinear
+    assert isinstance(model.layers.q_proj, QuantLinear) and model.lora_scale == 2.0  # really 4-bit + LoRA
+    prompt = PROMPTS[6]
+    ref = generate(model, tok, prompt, 10)[0]["token_ids"]
+    base = reference(served, [prompt], 10)[0]["token_ids"]
+    assert ref != base  # the quantized, adapted model is another model
+    with start_server(model_dir=gdir, adapter=adir, max_batch=2, max_len=32, warmup=False) as h:
+        c = openai.OpenAI(base_url=h.url + "/v1", api_key="unused", timeout=60, max_retries=0)
+        assert c.models.list().data[0].id == "gptq+adapter"
+        r = c.completions.create(model="gptq+adapter", prompt=prompt, max_tokens=10, temperature=0,
+                                 extra_body={"return_token_ids": True})
+        assert r.choices[0].model_extra["token_ids"] == ref
