@@ -89,6 +89,9 @@ def quantize_model(model, windows, spec, *, method: str = "gptq", batch_size: in
     if method == "gptq":
         windows = np.asarray(windows, np.int32)
         n, T = windows.shape
+        if windows.min() < 0 or windows.max() >= cfg.vocab_size:
+            raise GPTQError(f"calibration token ids span [{windows.min()}, {windows.max()}] but the model's "
+                            f"vocab_size is {cfg.vocab_size}: tokenizer and model do not match")
         min_tokens = 2 * max(layers[p].shape[1] for p in M.PROJECTIONS)
         if n * T < min_tokens:
             raise GPTQError(f"too few calibration tokens: {n} x {T} = {n * T}; need at least {min_tokens} "
