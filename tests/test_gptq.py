@@ -197,3 +197,24 @@ def test_paper_bytes_13b_and_405b():
     fp, q = gptq.paper_bytes(b405, bits=16)["total_bytes"], gptq.paper_bytes(b405, 4, 128)["total_bytes"]
     assert 800e9 < fp < 820e9 and 200e9 < q < 225e9
     assert devices_needed(fp) == 5 and devices_needed(q) == 2
+
+
+def test_capture_layer_is_the_model_layer():
+    """The calibration forward (which also returns each projection's input) is the model's own layer."""
+    from flax import nnx
+    from amdllm import model as M
+    from amdllm.config import LlamaConfig
+    from amdllm.gptq_calib import _rope_mask, layer_with_inputs
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    m = M.Llama(cfg, rngs=nnx.Rngs(0))
+    _, layers = M.to_pure(m)
+    p = {k: v[1] for k, v in layers.items()}
+    x = jax.random.normal(jax.random.key(0), (2, 8, 32))
+    cos, sin, mask = _rope_mask(cfg, 2, 8)
+    ours, ins = layer_with_inputs(cfg, p, x, cos, sin, mask)
+    ref, _ = M.decoder_layer(cfg, p, x, cos, sin, mask)
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), rtol=1e-6, atol=1e-6)
+    h = M.rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps)
+    np.testing.assert_allclose(np.asarray(ins["attn_in"]), np.asarray(h), rtol=1e-6)
+    assert ins["down_in"].shape == (2, 8, 64) and ins["o_in"].shape == (2, 8, 32)
