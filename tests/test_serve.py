@@ -335,13 +335,10 @@ def test_engine_joins_running_batch_and_shifts_the_cache(served):
 def test_serves_gptq_checkpoint_with_lora_adapter(served, tmp_path):
     """`--model GPTQ_DIR --adapter DIR`: 4-bit projections plus LoRA, loaded from disk by the server's own
     loader; greedy output equals `generate` on the same model, and the adapter changes it."""
-    import jax
-
     from amdllm.checkpoint import load
     from amdllm.generate import generate, load_model
     from amdllm.gptq import QuantSpec
     from amdllm.gptq_calib import quantize_model
-    from amdllm.lora import apply_lora, lora_params, save_adapter, set_lora_params
     from amdllm.quant_format import quant_config_dict, save_quantized
     from amdllm.serve import start_server
 
@@ -349,10 +346,18 @@ def test_serves_gptq_checkpoint_with_lora_adapter(served, tmp_path):
     qmodel, _ = quantize_model(load(served["dir"]), None, spec, method="rtn", progress=False)
     gdir = save_quantized(qmodel, tmp_path / "gptq", quant_config_dict(4, 32, True, False),
                           tokenizer_from=served["dir"])
-    lmodel = apply_lora(load(served["dir"]), rank=4, alpha=8)
-    keys = iter(jax.random.split(jax.random.key(1), 64))
-    set_lora_params(lmodel, {k: 0.3 * jax.random.normal(next(keys), v.shape) for k, v in lora_params(lmodel).items()})
-    adir = save_adapter(lmodel, tmp_path / "adapter")
+    # a PEFT-format adapter written directly (as PEFT would): r=4 on q_proj and v_proj, both factors random
+    from safetensors.numpy import save_file
+    adir = tmp_path / "adapter"
+    adir.mkdir()
+    rng = np.random.default_rng(1)
+    tensors = {f"base_model.model.model.layers.{i}.self_attn.{p}.lora_{ab}.weight":
+               (0.3 * rng.standard_normal((4, 64) if ab == "A" else (shape, 4))).astype(np.float32)
+               for i in range(2) for p, shape in (("q_proj", 64), ("v_proj", 32)) for ab in "AB"}
+    save_file(tensors, str(adir / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (adir / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
+        "target_modules": ["q_proj", "v_proj"], "bias": "none"}))
 
     model, tok, _ = load_model(gdir, adir)
     from amdllm.quant_format import QuantLinear
