@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import mmap
 import shutil
+import warnings
 from pathlib import Path
 
 import jax
@@ -278,7 +279,12 @@ def _load_quant_proj(t, name, K, N, qc, path):
     qz = _get(t, name + ".qzeros", (ng, N // p), path).astype(np.int32)
     sc = _get(t, name + ".scales", (ng, N), path).astype(np.float16)
     if qc["format"] == "gptq":
-        qz = _zeros_v1_to_v2(qz, bits)
+        z = np.asarray(unpack_cols(qz, bits))
+        if qc["sym"] and np.all(z == 2 ** (bits - 1)):  # v2 zeros labelled "gptq" (vLLM PR #38966)
+            warnings.warn(f"{path}: {name}.qzeros hold symmetric v2 zeros ({2 ** (bits - 1)}) but the "
+                          "checkpoint says 'gptq' (v1, which stores zero-1); reading them as v2", stacklevel=3)
+        else:
+            qz = _zeros_v1_to_v2(qz, bits)
     return {"qweight": qw, "qzeros": qz, "scales": sc, "g_idx": g}
 
 

@@ -4,6 +4,7 @@ Every expected value here is computed from the format spec (anchors_gptq.md sect
 in this file, independently of amdllm.quant_format.
 """
 import json
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -153,7 +154,7 @@ def _write_gptqmodel_style(tmp_path, hf, fmt, sym, rng):
         z = np.full((ng, N), 8) if sym else rng.integers(0, 16, size=(ng, N))
         scales = (np.abs(v).max() / 8 * rng.uniform(0.5, 1.0, size=(ng, N))).astype(np.float16)
         g_idx = rng.permutation(np.arange(K) // G).astype(np.int32)
-        stored = (z - 1) & 15 if fmt == "gptq" else z
+        stored = (z - 1) & 15 if fmt == "gptq" else z  # "mislabelled": v2 zeros under the "gptq" label
         t[base + ".qweight"] = spec_pack_rows(codes, bits)
         t[base + ".qzeros"] = np.ascontiguousarray(spec_pack_rows(np.ascontiguousarray(stored.T), bits).T)
         t[base + ".scales"] = scales
@@ -164,18 +165,21 @@ def _write_gptqmodel_style(tmp_path, hf, fmt, sym, rng):
     save_file(t, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = hf.config.to_dict()
     qc = {"bits": 4, "group_size": G, "desc_act": True, "sym": sym, "lm_head": False, "quant_method": "gptq",
-          "checkpoint_format": fmt, "pack_dtype": "int32", "meta": {"quantizer": ["gptqmodel:7.7.0"]}}
+          "checkpoint_format": "gptq" if fmt == "mislabelled" else fmt, "pack_dtype": "int32", "meta": {"quantizer": ["gptqmodel:7.7.0"]}}
     cfg["quantization_config"] = qc
     (out / "config.json").write_text(json.dumps(cfg))
     (out / "quantize_config.json").write_text(json.dumps(qc))
     return out, dense
 
 
-@pytest.mark.parametrize("fmt,sym", [("gptq", True), ("gptq_v2", False), ("gptq_v2", True)])
+@pytest.mark.parametrize("fmt,sym", [("gptq", True), ("gptq_v2", False), ("gptq_v2", True), ("mislabelled", True)])
 def test_loads_gptqmodel_checkpoints(tmp_path, fmt, sym):
     _, hf = _tiny(tmp_path)
     out, dense = _write_gptqmodel_style(tmp_path, hf, fmt, sym, np.random.default_rng(5))
-    model = checkpoint.load(out)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = checkpoint.load(out)
+    assert any("v2 zeros" in str(w.message) for w in caught) == (fmt == "mislabelled")
     layers = nnx.to_pure_dict(nnx.state(model.layers))
     for k, w in dense.items():
         i, proj = int(k.split(".")[2]), k.split(".")[-2]
