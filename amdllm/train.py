@@ -86,7 +86,8 @@ def loss_sums(lora, frozen, batch, rng, *, model: Llama):
     logits, _ = forward(model.cfg, top, layers, batch["tokens"], positions=batch["positions"],
                         segment_ids=batch["segment_ids"], dtype=model.dtype, remat=model.remat,
                         lora_scale=model.lora_scale, lora_dropout=model.lora_dropout,
-                        dropout_rng=rng if model.lora_dropout > 0 else None)  # [B, T, V] float32
+                        dropout_rng=rng if model.lora_dropout > 0 else None,
+                        act_sharding=getattr(model, "act_sharding", None))  # [B, T, V] float32
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]  # [B, T]
     w = batch["weights"].astype(jnp.float32)
@@ -295,6 +296,8 @@ def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig 
         nonlocal last_ckpt
         last_ckpt = save_checkpoint(out, step, lora, opt_state, meta, tc.keep)
 
+    if start == 0 and (eval_ds is not None or task_rows):
+        run_eval(0)  # the "before" numbers: base model (B = 0, so the adapter is a no-op)
     bar = tqdm(range(start, tc.steps), initial=start, total=tc.steps, desc="finetune", disable=not progress,
                file=sys.stderr, dynamic_ncols=True)
     tok_s = mfu = 0.0

@@ -1,0 +1,151 @@
+"""LoRA training step: amdllm (one jitted JAX step) vs transformers + peft (PyTorch eager), same run.
+
+Same model shape (random weights), batch, sequence length, LoRA rank/alpha/targets, AdamW, float32,
+same machine, same process (one after the other, so they never compete for cores). Reports
+tokens/s (token positions processed per second), MFU and the ratio.
+
+MFU = tokens/s * FLOPs/token / peak. FLOPs/token is the planner's LoRA count (amdllm.plan):
+4N + 12*L*S*q + 6*L*r*sum(in+out), N = matmul parameters (lm_head included): forward 2N plus
+activation gradients 2N, NO frozen weight gradients. Peak: the planner's table on accelerators; on a
+CPU the measured float32 matmul rate of this machine (best of 5 1024^3 matmuls).
+
+    python benchmarks/bench_lora.py            # the 31M shape of reference/cpu_performance_notes.md
+    python benchmarks/bench_lora.py --json --steps 5 --hidden 256 --layers 4 --vocab 4096   # quicker
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+
+def hf_config(a):
+    from transformers import LlamaConfig
+    return LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.mlp,
+                       num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
+                       max_position_embeddings=max(2048, a.seq), tie_word_embeddings=False,
+                       attn_implementation="sdpa")
+
+
+def batches(a, n):
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, a.vocab, (a.batch, a.seq + 1)).astype(np.int32) for _ in range(n)]
+
+
+def bench_amdllm(a, data):
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from amdllm import lora, train
+    from amdllm.config import LlamaConfig
+    from amdllm.model import Llama
+
+    cfg = LlamaConfig.from_dict(hf_config(a).to_dict())
+    model = lora.apply_lora(Llama(cfg, rngs=nnx.Rngs(0)), rank=a.rank, alpha=2 * a.rank, targets=a.targets)
+    lo, frozen = train.split_params(model)
+    tc = train.TrainConfig(steps=1000, lr=1e-4, warmup=0)
+    opt, _ = train.make_optimizer(tc)
+    opt_state = opt.init(lo)
+    step = train.make_train_step(model, opt)
+    ones = np.ones((1, a.batch, a.seq), np.int32)
+    pos = np.broadcast_to(np.arange(a.seq, dtype=np.int32), (1, a.batch, a.seq))
+    times = []
+    for i, w in enumerate(data):
+        batch = {"tokens": jnp.asarray(w[None, :, :-1]), "targets": jnp.asarray(w[None, :, 1:]),
+                 "weights": jnp.asarray(ones, jnp.float32), "segment_ids": jnp.asarray(ones),
+                 "positions": jnp.asarray(pos)}
+        t = time.perf_counter()
+        lo, opt_state, m = step(lo, opt_state, frozen, batch, jax.random.key(i))
+        loss = float(m["loss"])
+        times.append(time.perf_counter() - t)
+    flops = train.flops_per_token(cfg, lora.lora_info(model), a.seq)
+    return times, loss, flops, cfg
+
+
+def bench_peft(a, data):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(hf_config(a))
+    targets = [t if t.endswith("_proj") else t + "_proj" for t in a.targets.split(",")]
+    model = get_peft_model(model, LoraConfig(r=a.rank, lora_alpha=2 * a.rank, target_modules=targets,
+                                             lora_dropout=0.0, task_type="CAUSAL_LM"))
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.0)
+    times = []
+    for w in data:
+        x = torch.as_tensor(w, dtype=torch.long)
+        t = time.perf_counter()
+        out = model(input_ids=x[:, :-1], labels=x[:, :-1].clone())  # HF shifts labels inside
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss = float(out.loss)
+        times.append(time.perf_counter() - t)
+    return times, loss
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--mlp", type=int, default=1408)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--targets", default="q,k,v,o,gate,up,down")
+    p.add_argument("--steps", type=int, default=8, help="timed steps (after 2 warm-up steps each)")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+
+    import jax
+
+    from amdllm import train
+    data = batches(a, a.steps + 2)
+    j_times, j_loss, flops, cfg = bench_amdllm(a, data)
+    t_times, t_loss = bench_peft(a, data)
+    peak = train.peak_flops()
+    tokens = a.batch * a.seq
+    j_step, t_step = statistics.median(j_times[2:]), statistics.median(t_times[2:])
+    res = {
+        "shape": {"params": cfg.num_params(), "hidden": a.hidden, "layers": a.layers, "heads": a.heads,
+                  "kv_heads": a.kv_heads, "mlp": a.mlp, "vocab": a.vocab},
+        "batch": a.batch, "seq_len": a.seq, "rank": a.rank, "targets": a.targets, "steps_timed": a.steps,
+        "device": jax.devices()[0].device_kind, "accelerator": train.accelerator_name(),
+        "cpu_count": os.cpu_count(),
+        "flops_per_token": flops, "flops_formula": "4N + 12*L*S*q + 6*L*r*sum(in+out) (no frozen weight grads)",
+        "peak_flops": peak,
+        "amdllm": {"step_seconds": j_step, "tokens_per_second": tokens / j_step,
+                   "mfu": tokens / j_step * flops / peak, "compile_step_seconds": j_times[0],
+                   "final_loss": j_loss},
+        "peft": {"step_seconds": t_step, "tokens_per_second": tokens / t_step,
+                 "mfu": tokens / t_step * flops / peak, "final_loss": t_loss},
+        "torch_threads": __import__("torch").get_num_threads(),
+    }
+    res["speedup"] = res["amdllm"]["tokens_per_second"] / res["peft"]["tokens_per_second"]
+    if a.json:
+        print(json.dumps(res))
+    else:
+        print(json.dumps(res, indent=2))
+        print(f"amdllm {res['amdllm']['tokens_per_second']:,.0f} tok/s (MFU {100 * res['amdllm']['mfu']:.1f}%) vs "
+              f"transformers+peft {res['peft']['tokens_per_second']:,.0f} tok/s "
+              f"(MFU {100 * res['peft']['mfu']:.1f}%): {res['speedup']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
