@@ -341,8 +341,9 @@ def load(path, *, dtype=jnp.float32, compute_dtype=None, mesh=None, rules=None, 
         raise CheckpointError(f"dtype={dtype}: parameters must be a floating dtype (float32, bfloat16, float16)")
     model = Llama.abstract(cfg, param_dtype=dtype, dtype=compute_dtype or dtype, remat=remat)
     if shardings is None and mesh is not None:
-        from amdllm.sharding import param_shardings
+        from amdllm.sharding import activation_sharding, param_shardings
         shardings = param_shardings(model, mesh, rules)
+        model.act_sharding = activation_sharding(mesh, rules)  # activations split by batch
     shardings = _flatten_shardings(shardings)
     table = param_table(cfg)
     for ours in tqdm(table, desc=f"loading {path.name}", leave=False):

@@ -66,6 +66,7 @@ class Llama(nnx.Module):
         self.remat = remat
         self.lora_scale = 0.0  # alpha / rank once LoRA is attached (amdllm.lora)
         self.lora_dropout = 0.0
+        self.act_sharding = None  # [B, T, D] activation sharding, set by amdllm.sharding.shard_model
         self.layers = Layers()
         key = rngs.params()
         for i, (name, (shape, axes)) in enumerate(param_table(cfg).items()):
@@ -95,7 +96,7 @@ class Llama(nnx.Module):
         return forward(self.cfg, top, layer_params, tokens, positions=positions, segment_ids=segment_ids,
                        cache=cache, cache_index=cache_index, dtype=self.dtype, remat=self.remat,
                        lora_scale=self.lora_scale, lora_dropout=self.lora_dropout, dropout_rng=dropout_rng,
-                       return_hidden=return_hidden)
+                       return_hidden=return_hidden, act_sharding=getattr(self, "act_sharding", None))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -208,8 +209,16 @@ def decoder_layer(cfg, p, x, cos, sin, mask, kv=None, cache_index=None, *, lora_
 
 def forward(cfg: LlamaConfig, top: dict, layers: dict, tokens, *, positions=None, segment_ids=None,
             cache: KVCache | None = None, cache_index=None, dtype=jnp.float32, remat=False,
-            lora_scale=0.0, lora_dropout=0.0, dropout_rng=None, return_hidden=False):
-    """The whole model as a pure function. `top`: embed_tokens, norm, lm_head?; `layers`: stacked [L, ...]."""
+            lora_scale=0.0, lora_dropout=0.0, dropout_rng=None, return_hidden=False, act_sharding=None):
+    """The whole model as a pure function. `top`: embed_tokens, norm, lm_head?; `layers`: stacked [L, ...].
+
+    act_sharding: a sharding for the [B, T, D] hidden states (`amdllm.sharding.activation_sharding`);
+    without it XLA may split activations like the weights (FSDP's model dimension) and keep whole
+    batches on every device."""
+    if act_sharding is not None:
+        from amdllm.sharding import constrain
+    else:
+        constrain = lambda x, _: x  # noqa: E731
     B, T = tokens.shape
     if segment_ids is None:
         segment_ids = jnp.ones((B, T), jnp.int32)
@@ -235,9 +244,10 @@ def forward(cfg: LlamaConfig, top: dict, layers: dict, tokens, *, positions=None
     def body(x, xs):
         p, kv, idx = xs
         rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, idx)
+        x = constrain(x, act_sharding)
         x, kv = decoder_layer(cfg, p, x, cos, sin, mask, kv, cache_index, lora_scale=lora_scale,
                               lora_dropout=lora_dropout, rng=rng)
-        return x, kv
+        return constrain(x, act_sharding), kv
 
     if remat:
         body = jax.checkpoint(body, prevent_cse=False)

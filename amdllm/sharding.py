@@ -239,6 +239,7 @@ def shard_model(model, mesh: Mesh, rules=None, *, strict: bool = True):
                            else shardings[name])
     for path, new in zip(paths, jax.device_put(values, targets)):  # one batched transfer
         _set_param(model, path, new)
+    model.act_sharding = activation_sharding(mesh, rules)  # activations split by batch, not like weights
     return model
 
 
@@ -294,6 +295,18 @@ def batch_sharding(mesh: Mesh, rules=None, ndim: int = 2) -> NamedSharding:
 def activation_sharding(mesh: Mesh, rules=None) -> NamedSharding:
     """[B, T, D] hidden states, for `jax.lax.with_sharding_constraint` inside a jitted step."""
     return NamedSharding(mesh, logical_to_spec(("batch", "length", "act_embed"), rules, mesh=mesh))
+
+
+def constrain(x, sharding: NamedSharding | None):
+    """`with_sharding_constraint` inside jit, skipped when `x` does not split evenly (a batch of 1
+    while generating): the constraint is a layout hint, never a reason to fail."""
+    if sharding is None:
+        return x
+    for n, s in zip(x.shape, tuple(sharding.spec)):
+        axes = () if s is None else ((s,) if isinstance(s, str) else s)
+        if n % math.prod(sharding.mesh.shape[a] for a in axes):
+            return x
+    return jax.lax.with_sharding_constraint(x, sharding)
 
 
 def shard_batch(x, mesh: Mesh, rules=None):

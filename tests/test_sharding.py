@@ -81,16 +81,19 @@ def test_sharded_load_and_forward_match_unsharded(ckpt, preset, spec):
     assert arrays["layers/q_proj"].addressable_shards[0].data.size == \
         arrays["layers/q_proj"].size // {"fsdp": 8, "tp": 2, "fsdp_tp": 4, "dp": 1}[preset]
 
-    fwd = jax.jit(lambda t, l, x: forward(model.cfg, t, l, x, lora_scale=model.lora_scale)[0])
+    assert model.act_sharding == S.activation_sharding(mesh, preset)  # set by checkpoint.load / shard_model
+    fwd = jax.jit(lambda t, l, x, sh=None: forward(model.cfg, t, l, x, lora_scale=model.lora_scale,
+                                                   act_sharding=sh)[0], static_argnums=3)
     x = S.shard_batch(tokens, mesh, preset)
     assert x.sharding.spec == P(("data", "fsdp") if preset == "fsdp_tp" else ("fsdp" if preset == "fsdp" else "data"))
-    got = np.asarray(fwd(top, layers, x))
+    got = np.asarray(fwd(top, layers, x, model.act_sharding))
     want = np.asarray(fwd(plain_top, plain_layers, jnp.asarray(tokens)))
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
     if preset == "fsdp":  # the base (no LoRA delta) checkpoint also matches transformers
         base = jax.jit(lambda t, l, x: forward(model.cfg, t, {k: v for k, v in l.items() if "lora" not in k},
                                                x)[0])
         np.testing.assert_allclose(np.asarray(base(top, layers, x)), ref_logits, atol=1e-4, rtol=0)
+        np.testing.assert_allclose(np.asarray(model(x)[0]), want, atol=1e-5, rtol=0)  # Llama.__call__ path
 
 
 def test_mesh_specs():
