@@ -81,6 +81,7 @@ def main() -> None:
             rows.append({"model": f"{method.upper()} {bits}-bit {'per-channel' if G == -1 else f'g{G}'}",
                          "perplexity": ppl(m), "bytes": gptq.model_bytes(m) if bits != 3 else None,
                          "quantize_s": round(time.perf_counter() - t0, 1)})
+            print(rows[-1], flush=True)
 
     # 3. decode tokens/s, float32 vs int4 (packed weights dequantized inside the jitted step)
     prompt = [tok("Once upon a time")["input_ids"]]
