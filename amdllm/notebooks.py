@@ -33,7 +33,7 @@ NOTEBOOKS = ("00_setup", "01_weight_conversion", "02_mesh_sharding", "03_lora_fi
 
 # Small sizes for `make test` (each notebook also reads `quick` for anything not listed here).
 QUICK_PARAMS: dict[str, dict] = {
-    "03_lora_finetuning": {"train_steps": 60, "eval_examples": 24},
+    "03_lora_finetuning": {"train_steps": 40, "eval_examples": 24},
     "04_gptq_quantization": {"calib_samples": 8, "eval_tokens": 2048},
     "05_inference_and_serving": {"max_new_tokens": 16, "lora_steps": 60, "calib_samples": 8},
 }
