@@ -79,17 +79,18 @@ def _compiled(model):
     """Jitted (prefill, step) for this model's config/dtype/LoRA scale; weights are arguments."""
     cfg = model.cfg
     key = (json.dumps(cfg.to_dict(), sort_keys=True, default=str), str(model.dtype),
-           float(model.lora_scale))
+           float(model.lora_scale), getattr(model, "act_sharding", None))
     if key in _COMPILED:
         return _COMPILED[key]
     dtype, lora_scale = model.dtype, float(model.lora_scale)
+    act = getattr(model, "act_sharding", None)  # sharded model: keep hidden states split by batch
 
     def run(top, layers, tokens, positions, segment_ids, cache, cache_index):
         # logits at the LAST position only: a prefill's [B, P, V] float32 logits would be 8 GB for
         # 8 x 2048 tokens of a 128k vocabulary, and only the last column is ever used
         h, cache = forward(cfg, top, layers, tokens, positions=positions, segment_ids=segment_ids,
                            cache=cache, cache_index=cache_index, dtype=dtype, lora_scale=lora_scale,
-                           return_hidden=True)                                  # [B, T, D] normed
+                           return_hidden=True, act_sharding=act)      # [B, T, D] normed
         head = top["lm_head"] if "lm_head" in top else top["embed_tokens"].T   # tied: the embeddings
         logits = jnp.dot(h[:, -1], head.astype(dtype), preferred_element_type=jnp.float32)  # [B, V]
         return logits, cache
