@@ -235,7 +235,8 @@ def create_app(engine: Engine, cfg: ServerConfig):
     async def health():
         s = engine.stats
         return {"status": "ok", "requests": s["requests"], "decode_steps": s["decode_steps"],
-                "max_batch_seen": s["max_batch_seen"], "tokens": s["tokens"]}
+                "max_batch_seen": s["max_batch_seen"], "tokens": s["tokens"], "shifts": s["shifts"],
+                "batch_hist": {str(k): v for k, v in sorted(s["batch_hist"].items())}}
 
     @app.get("/v1/models")
     async def models(request: HTTPRequest):

@@ -3,8 +3,9 @@
 C concurrent clients (threads sharing one `openai` client) send R greedy completion requests in total, each
 with a timeout; the run stops by itself. Every answer is checked against `amdllm.generate` on the same
 prompt (none may get another's output). Reported per side: wall time, requests/s, generated tokens/s,
-latency p50/p95/max, the mean and largest batch the engine decoded, failures. Both servers run in this
-process, one after the other, on loopback.
+latency p50/p95/max, the mean and largest batch the engine decoded (from the server's /health), failures.
+Each side is the real `amdllm serve` in its own process (clients in the server's process would compete
+with it for the GIL), on loopback, started and stopped (SIGTERM) by this script.
 
     python benchmarks/bench_serve.py [--model DIR] [--clients 16] [--requests 200] [--max-tokens 32]
                                      [--max-batch 16] [--out bench_results]
@@ -13,10 +14,14 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import json
 import re
+import socket
 import statistics
+import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -59,13 +64,39 @@ def run_load(url: str, jobs: list[str], clients: int, max_tokens: int, timeout: 
     return {"wall": time.perf_counter() - t0, "results": results}
 
 
-def summarize(load: dict, refs: dict, engine) -> dict:
+def serve_process(model_dir, max_batch: int, log_path: Path):
+    """Start `amdllm serve` on a free loopback port; return (process, url) once /v1/models answers."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "amdllm.cli", "serve", "--model", str(model_dir), "--port",
+                             str(port), "--max-batch", str(max_batch)], stdout=log, stderr=subprocess.STDOUT,
+                            cwd=Path(__file__).resolve().parent.parent)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 600
+    while True:
+        try:
+            urllib.request.urlopen(url + "/v1/models", timeout=2).read()
+            return proc, url
+        except OSError:
+            if proc.poll() is not None or time.time() > deadline:
+                proc.kill()
+                raise RuntimeError(f"amdllm serve did not start; see {log_path}") from None
+            time.sleep(0.5)
+
+
+def health(url: str) -> dict:
+    return json.loads(urllib.request.urlopen(url + "/health", timeout=30).read())
+
+
+def summarize(load: dict, refs: dict, before: dict, after: dict) -> dict:
     res = load["results"]
     ok = [r for r in res if r[3] is None]
     wrong = [r[0] for r in ok if r[1] != refs[r[0]]]
     lat = sorted(r[2] for r in ok)
     tokens = sum(len(r[1]) for r in ok)
-    hist = engine.stats["batch_hist"]
+    hist = {int(k): v - before["batch_hist"].get(k, 0) for k, v in after["batch_hist"].items()}
     steps = sum(hist.values())
     return {"requests": len(res), "failed": len(res) - len(ok), "wrong_output": len(wrong),
             "errors": sorted({r[3] for r in res if r[3]})[:5], "wall_s": load["wall"],
@@ -75,7 +106,7 @@ def summarize(load: dict, refs: dict, engine) -> dict:
             "latency_p95_s": lat[int(0.95 * (len(lat) - 1))] if lat else None,
             "latency_max_s": lat[-1] if lat else None,
             "decode_steps": steps, "mean_batch": sum(k * v for k, v in hist.items()) / steps if steps else 0.0,
-            "max_batch_seen": engine.stats["max_batch_seen"]}
+            "max_batch_seen": max((k for k, v in hist.items() if v), default=0)}
 
 
 def main(argv=None) -> int:
@@ -92,7 +123,6 @@ def main(argv=None) -> int:
 
     from amdllm.course import heldout_text_path
     from amdllm.generate import generate, load_model
-    from amdllm.serve import start_server
 
     model, tok, model_dir = load_model(args.model)
     prompts = distinct_prompts(Path(heldout_text_path()).read_text(), args.prompts)
@@ -105,13 +135,16 @@ def main(argv=None) -> int:
 
     sides = {}
     for name, batch in (("one_at_a_time", 1), ("batched", args.max_batch)):
-        with start_server(model, tok, max_batch=batch, model_name=Path(model_dir).name) as h:
-            run_load(h.url, prompts[:2], 2, args.max_tokens, args.timeout)  # compile the prefill buckets
-            h.engine.stats["batch_hist"].clear()
-            h.engine.stats["max_batch_seen"] = 0
-            sides[name] = summarize(run_load(h.url, jobs, args.clients, args.max_tokens, args.timeout), refs,
-                                    h.engine)
-            print(f"{name}: {sides[name]['wall_s']:.1f} s", file=sys.stderr)
+        proc, url = serve_process(model_dir, batch, Path(f"/tmp/bench_serve_{name}.log"))
+        try:
+            run_load(url, prompts[:2], 2, args.max_tokens, args.timeout)  # compile the prefill bucket
+            before = health(url)
+            load = run_load(url, jobs, args.clients, args.max_tokens, args.timeout)
+            sides[name] = summarize(load, refs, before, health(url))
+        finally:
+            proc.terminate()
+            proc.wait(60)
+        print(f"{name}: {sides[name]['wall_s']:.1f} s", file=sys.stderr)
     speedup = sides["batched"]["tokens_per_s"] / sides["one_at_a_time"]["tokens_per_s"]
     rows = [{"side": k, **{c: v[c] for c in ("requests", "failed", "wrong_output", "wall_s", "requests_per_s",
                                              "tokens_per_s", "latency_p50_s", "latency_p95_s", "mean_batch",
