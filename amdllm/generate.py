@@ -162,6 +162,10 @@ class Decoder:
             return
         top, layers = to_pure(self.model)
         tokens, positions, seg, lens = pack_prompts(prompt_ids, self.pad_id)
+        limit = self.model.cfg.max_position_embeddings
+        if int(lens.max()) + max_new_tokens > limit:
+            raise ValueError(f"prompt ({int(lens.max())} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                             f"model's context, max_position_embeddings={limit}")
         B, P = tokens.shape
         S = _round_up(P + max_new_tokens - 1, CACHE_BUCKET)  # the last new token is never written
         temp, tp = _per_row(temperature, B, "temperature"), _per_row(top_p, B, "top_p")

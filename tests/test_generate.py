@@ -166,3 +166,14 @@ def test_decode_step_compiles_once_per_bucket(models):
     n_prefill, n_step = prefill._cache_size(), step._cache_size()
     generate_ids(ours, [[1, 2, 3, 4, 5, 6, 7]], 20, eos_ids=())  # other prompt length, same buckets
     assert (prefill._cache_size(), step._cache_size()) == (n_prefill, n_step)
+
+
+def test_context_limit_is_a_clear_error(tmp_path):
+    import pytest
+    from amdllm import checkpoint
+    from amdllm.generate import generate_ids
+    from tests.tiny import make_hf_checkpoint
+    d, _ = make_hf_checkpoint(tmp_path, max_position_embeddings=32)
+    model = checkpoint.load(d)
+    with pytest.raises(ValueError, match="max_position_embeddings=32"):
+        generate_ids(model, [[1, 2, 3, 4]], max_new_tokens=40)
