@@ -243,6 +243,13 @@ def test_quantize_cli_then_eval(tmp_path, capsys):
     assert res["format"] == "gptq" and res["gptq_err"] < res["rtn_err"]
     assert (out / "tokenizer.json").is_file() and (out / "gptq_report.json").is_file()
     assert isinstance(checkpoint.load(out).layers.q_proj, gptq.QuantLinear)
+    (tmp_path / "heldout.txt").write_text(text[:600])
+    assert cli.main(["eval", "--model", str(out), "--text", str(tmp_path / "heldout.txt"), "--seq-len", "32",
+                     "--json"]) == 0
+    ev = json.loads(capsys.readouterr().out)
+    assert ev["tokens"] > 10 and 1.0 < ev["perplexity"] < 1000
+    assert cli.main(["generate", "--model", str(out), "--prompt", "the cat", "--max-new-tokens", "4", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) >= 1
     bad = ["quantize", "--model", str(ckpt), "--out", str(tmp_path / "bad"), "--calib", str(tmp_path / "calib.txt")]
     assert cli.main(bad + ["--samples", "1", "--seq-len", "16", "--group-size", "32", "--json"]) == 2
     assert "too few calibration tokens: 1 x 16 = 16; need at least 256" in capsys.readouterr().err
