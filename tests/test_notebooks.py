@@ -80,10 +80,10 @@ def test_runner_reports_a_failing_notebook(tmp_path, monkeypatch):
     assert "FAILED" in nbrun.summary_text([rec])
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", PRESENT)
 def test_notebook_executes(name, tmp_path):
-    rec = nbrun.run_one(name, tmp_path, quick=True, timeout=400)
+    rec = nbrun.run_one(name, tmp_path, quick=True, timeout=600)
     assert rec["ok"], f"{name} failed after {rec['seconds']} s: {rec['error']} (executed copy: {rec['executed']})"
     assert rec["results"], f"{name} recorded no results"
     executed = nbformat.read(rec["executed"], as_version=4)
