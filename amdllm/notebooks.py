@@ -64,13 +64,13 @@ SUMMARY_FIELDS: dict[str, list[tuple[str, str, str]]] = {
 }
 
 
-def record(results_path: str | os.PathLike | None, results: dict) -> dict:
-    """A notebook's last call: print its key results and write them (JSON) where the runner looks."""
+def record(results_path: str | os.PathLike | None, results: dict) -> None:
+    """A notebook's last call: print its key results and write them (JSON) where the runner looks.
+    Returns None, so that the results are not displayed a second time as the cell's value."""
     for k, v in results.items():
         print(f"  {k:<32} {v}")
     if results_path:
         atomic_write_text(results_path, json.dumps(results, indent=2, default=float) + "\n")
-    return results
 
 
 def _params_for(name: str, quick: bool, results_path: Path, extra: dict | None) -> dict:
