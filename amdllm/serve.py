@@ -10,7 +10,6 @@ Extension: `"return_token_ids": true` (OpenAI clients: `extra_body=`) adds the n
 """
 # no `from __future__ import annotations`: FastAPI reads the handlers' annotations at runtime
 
-import argparse
 import asyncio
 import json
 import socket
