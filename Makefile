@@ -33,7 +33,7 @@ install: $(STAMP)
 
 test: install
 	$(BIN)/python -m amdllm.course build
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile tests
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=15 tests
 
 model: install
 	$(BIN)/python -m amdllm.course build
