@@ -15,7 +15,7 @@ SUBCOMMANDS = {
     "doctor": "amdllm.env",
     "eval": "amdllm.evaluate",
     "generate": "amdllm.generate",
-    "finetune": "amdllm.train",
+    "finetune": "amdllm.finetune",
     "plan": "amdllm.plan",
     "quantize": "amdllm.gptq",
     "serve": "amdllm.serve",
