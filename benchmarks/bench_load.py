@@ -2,7 +2,7 @@
 
 amdllm `checkpoint.load` vs `transformers.LlamaForCausalLM.from_pretrained`, same bf16 sharded checkpoint
 (~330 MB, written by this script with transformers), each side in a fresh subprocess so peak RSS is its own.
-Peak memory is reported as `ru_maxrss` minus the resident size after imports, against the checkpoint size
+Peak memory is reported as the process's VmHWM (high-water RSS) minus the resident size after imports, against the checkpoint size
 (target: <= 1.3x).
 
     python benchmarks/bench_load.py [--out bench_results] [--repeats 3]
@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -26,11 +25,21 @@ SHAPE = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hid
              num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048)
 
 
-def rss_bytes() -> int:
+def _status(field: str) -> int:
     for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def rss_bytes() -> int:
+    return _status("VmRSS")
+
+
+def peak_rss_bytes() -> int:
+    # VmHWM is this process's own high-water mark. (ru_maxrss is not: Linux carries the parent's
+    # maximum across fork+exec, so a child of a big parent reports the parent's peak.)
+    return _status("VmHWM")
 
 
 def child(side: str, path: str) -> dict:
@@ -50,7 +59,7 @@ def child(side: str, path: str) -> dict:
         t0 = time.perf_counter()
         model = LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     seconds = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss_bytes()
     return {"seconds": seconds, "peak_rss": peak, "base_rss": base, "delta_rss": peak - base}
 
 
