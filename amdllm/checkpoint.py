@@ -31,7 +31,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from amdllm.config import LlamaConfig
-from amdllm.io import atomic_path, atomic_write_bytes, atomic_write_text
+from amdllm.io import atomic_path, atomic_write_bytes, atomic_write_text, read_json
 from amdllm.model import Llama, param_table
 
 
@@ -325,10 +325,7 @@ def load(path, *, dtype=jnp.float32, compute_dtype=None, mesh=None, rules=None, 
         raise CheckpointError(f"{path}: not a checkpoint directory" + ("" if path.exists() else " (not found)"))
     if not cfg_file.is_file():
         raise CheckpointError(f"{path}: config.json not found (is this a Hugging Face checkpoint directory?)")
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from None
+    raw = read_json(cfg_file, CheckpointError)
     if raw.get("quantization_config") or (path / "quantize_config.json").is_file():
         from amdllm.gptq import load_quantized  # GPTQ format lives with the quantizer
         return load_quantized(path, dtype=dtype, compute_dtype=compute_dtype, mesh=mesh, rules=rules,

@@ -153,11 +153,8 @@ class LlamaConfig:
             p = p / "config.json"
         if not p.is_file():
             raise ConfigError(f"{p}: config.json not found (is this a Hugging Face checkpoint directory?)")
-        try:
-            d = json.loads(p.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{p}: not valid JSON ({e})") from None
-        return cls.from_dict(d, source=str(p))
+        from amdllm.io import read_json
+        return cls.from_dict(read_json(p, ConfigError), source=str(p))
 
     def to_dict(self) -> dict[str, Any]:
         rope_parameters = {"rope_type": "default", "rope_theta": self.rope_theta}

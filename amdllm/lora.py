@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from amdllm.io import atomic_write_bytes, atomic_write_text
+from amdllm.io import atomic_write_bytes, atomic_write_text, read_json
 from amdllm.model import PROJECTIONS, Llama, LoRAParam, param_table
 
 ALL_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -180,10 +180,7 @@ def read_adapter_config(adapter_dir) -> dict:
     path = Path(adapter_dir) / "adapter_config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no adapter_config.json (expected a PEFT LoRA adapter directory)")
-    try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise LoRAError(f"{path}: not valid JSON ({e})") from None
+    cfg = read_json(path, LoRAError)
     def bad(what):
         raise LoRAError(f"{path}: {what}")
     if cfg.get("peft_type") != "LORA":
