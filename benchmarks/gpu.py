@@ -1,14 +1,21 @@
 """One-shot GPU benchmark (NVIDIA H200/H100 or AMD MI300X), under 8 minutes.
 
+0. Ceilings measured in the same run: a bf16 8192^3 `jnp.dot` (matmul peak) and a large device copy
+   (HBM bandwidth, bytes read + written).
 1. LoRA fine-tuning step on a Llama-3.1-8B-shaped model (random bf16 weights, sequence 2048, remat,
-   LoRA rank 8 on all seven projections, AdamW): the largest batch that fits, tokens/s and MFU
-   (FLOPs per token by amdllm.plan's LoRA count: 4N + attention + LoRA terms; peak = dense bf16 table).
-2. Decoding tokens/s (greedy, 128 new tokens, batch 1 and 8) in bf16 and in 4-bit (RTN g128, packed
-   int4 dequantized inside the jitted step: the same kernels GPTQ checkpoints use), against the
-   memory-bandwidth bound (bytes read per decode step / HBM bandwidth).
+   LoRA rank 8 on all seven projections, AdamW): the largest batch whose compiled step fits (checked with
+   XLA's memory analysis before running), tokens/s and MFU. FLOPs per token by amdllm.plan's LoRA count
+   (4N + attention + LoRA terms: no weight gradients for frozen weights); MFU against the datasheet dense
+   bf16 peak (amdllm.plan's table) and against the matmul rate measured in step 0.
+2. Decoding tokens/s (greedy, 128 new tokens after a 32-token prompt, batch 1 and 8) with bf16 weights and
+   with 4-bit packed weights (GPTQ v1 layout, group 128, random codes: the same `QuantLinear` kernels a
+   GPTQ checkpoint loads into, without spending the lease on quantizing 8B parameters), against the
+   memory-bandwidth bound: decode steps/s if every step read the weights and the KV cache once.
 
-    python benchmarks/gpu.py --out $OUT            # on the accelerator
-    python benchmarks/gpu.py --tiny --out /tmp/g    # smoke test of the same code on a CPU
+Results are written to OUT/gpu.json after every phase, so a run cut short still reports what it measured.
+
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python benchmarks/gpu.py --out $OUT   # on the accelerator
+    python benchmarks/gpu.py --tiny --out /tmp/g                               # CPU smoke test, same code
 """
 from __future__ import annotations
 
@@ -21,8 +28,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine_info  # noqa: E402
 
+# Datasheet HBM bandwidth (bytes/s) by amdllm.plan accelerator key.
 HBM_BYTES_PER_S = {"h200": 4.8e12, "h100": 3.35e12, "mi300x": 5.3e12, "mi325x": 6.0e12, "mi250x": 3.2e12,
-                   "a100": 2.0e12, "cpu": 50e9}
+                   "a100": 2.0e12}
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
 def timed(fn, n):
@@ -35,7 +44,26 @@ def timed(fn, n):
     return (time.perf_counter() - t0) / n
 
 
-def lora_step(cfg, seq_len, batches, steps, log):
+def ceilings(tiny: bool, log) -> dict:
+    """Measured matmul FLOP/s (bf16) and copy bandwidth (bytes read + written per second)."""
+    import jax
+    import jax.numpy as jnp
+    n = 512 if tiny else 8192
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    dot = jax.jit(lambda a, b: a @ b)
+    sec = timed(lambda: dot(a, b), 10)
+    m = (1 << 20) if tiny else (1 << 30)                      # 2 GiB of bf16 on the accelerator
+    x = jnp.ones((m,), jnp.bfloat16)
+    copy = jax.jit(lambda x: x * 2)                           # reads m, writes m elements
+    csec = timed(lambda: copy(x), 10)
+    del a, b, x
+    r = {"matmul_n": n, "matmul_flops": 2 * n ** 3 / sec, "copy_bytes": 4 * m, "copy_bytes_per_s": 4 * m / csec}
+    log(json.dumps(r))
+    return r
+
+
+def lora_step(cfg, seq_len, batches, steps, measured_peak, log):
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -45,68 +73,104 @@ def lora_step(cfg, seq_len, batches, steps, log):
     model = Llama(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16, dtype=jnp.bfloat16, remat=True)
     lora_mod.apply_lora(model, rank=8, alpha=16)
     lora, frozen = train.split_params(model)
-    tc = train.TrainConfig(steps=100, seq_len=seq_len)
-    opt, _ = train.make_optimizer(tc)
+    opt, _ = train.make_optimizer(train.TrainConfig(steps=100, seq_len=seq_len))
     step = train.make_train_step(model, opt)
-    fpt = plan.flops_per_token(cfg, seq_len, 8, ("q", "k", "v", "o", "gate", "up", "down"))["lora_train"]
+    fpt = plan.flops_per_token(cfg, seq_len, 8, LORA_TARGETS)["lora_train"]
     peak = train.peak_flops()
+    dev = jax.devices()[0]
+    limit = (dev.memory_stats() or {}).get("bytes_limit") if hasattr(dev, "memory_stats") else None
+    tried = []
     for B in batches:
+        rng = jax.random.key(0)
+        toks = jax.random.randint(rng, (1, B, seq_len), 0, cfg.vocab_size)
+        batch = {"tokens": toks, "targets": toks, "weights": jnp.ones_like(toks, jnp.float32),
+                 "positions": jnp.broadcast_to(jnp.arange(seq_len), (1, B, seq_len)),
+                 "segment_ids": jnp.ones_like(toks)}
+        st = {"lora": lora, "opt": opt.init(lora)}
         try:
-            rng = jax.random.key(0)
-            toks = jax.random.randint(rng, (1, B, seq_len), 0, cfg.vocab_size)
-            batch = {"tokens": toks, "targets": toks, "weights": jnp.ones_like(toks, jnp.float32),
-                     "positions": jnp.broadcast_to(jnp.arange(seq_len), (1, B, seq_len)),
-                     "segment_ids": jnp.ones_like(toks)}
-            st = {"lora": lora, "opt": opt.init(lora)}
+            t0 = time.perf_counter()
+            compiled = step.lower(st["lora"], st["opt"], frozen, batch, rng).compile()
+            compile_s = time.perf_counter() - t0
+            ma = compiled.memory_analysis()
+            need = None if ma is None else (ma.temp_size_in_bytes + ma.argument_size_in_bytes
+                                            + ma.output_size_in_bytes - ma.alias_size_in_bytes)
+            tried.append({"batch": B, "compile_s": compile_s, "bytes_needed": need, "bytes_limit": limit})
+            if need and limit and need > 0.97 * limit:
+                log(f"batch {B}: needs {need / 2**30:.1f} GiB > {limit / 2**30:.1f} GiB available; smaller")
+                continue
 
             def run():
-                st["lora"], st["opt"], m = step(st["lora"], st["opt"], frozen, batch, rng)
+                st["lora"], st["opt"], m = compiled(st["lora"], st["opt"], frozen, batch, rng)
                 return m["loss"]
-            t0 = time.perf_counter()
-            jax.block_until_ready(run())
-            compile_s = time.perf_counter() - t0
             sec = timed(run, steps)
         except Exception as e:  # out of memory at this batch: try the next smaller one
-            log(f"batch {B}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            log(f"batch {B}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+            tried.append({"batch": B, "error": str(e).splitlines()[0][:300]})
             continue
         tps = B * seq_len / sec
-        res = {"batch": B, "seq_len": seq_len, "step_s": sec, "compile_s": compile_s, "tokens_per_s": tps,
+        res = {"batch": B, "seq_len": seq_len, "remat": True, "step_s": sec, "tokens_per_s": tps,
+               "compile_s": compile_s, "bytes_needed": need,
                "flops_per_token": fpt, "flop_formula": "4N + 12*L*S*d_attn + LoRA terms (no frozen weight grads)",
-               "peak_flops": peak, "mfu": tps * fpt / peak if peak else None,
-               "mfu_6N_count": tps * 6 * cfg.num_params() / peak if peak else None}
+               "peak_flops_datasheet": peak, "mfu": tps * fpt / peak if peak else None,
+               "peak_flops_measured_matmul": measured_peak, "mfu_vs_measured_matmul": tps * fpt / measured_peak,
+               "mfu_6N_count": tps * 6 * cfg.num_params() / peak if peak else None, "tried": tried}
         log(json.dumps(res))
         return res
-    return {"error": "no batch size fitted"}
+    return {"error": "no batch size fitted", "tried": tried}
 
 
-def decode(cfg, quant: bool, batches, new_tokens, log):
+def random_int4(model, group_size=128, seed=0):
+    """Replace every projection by a 4-bit packed QuantLinear holding random codes (GPTQ v1 layout)."""
+    import jax
+    import jax.numpy as jnp
+    from amdllm import model as M
+    from amdllm.quant_format import QuantLinear
+    key = jax.random.key(seed)
+    for i, proj in enumerate(M.PROJECTIONS):
+        L, K, N = getattr(model.layers, proj)[...].shape
+        G = K // group_size
+        k1, k2 = jax.random.split(jax.random.fold_in(key, i))
+        bits = lambda k, shape: jax.lax.bitcast_convert_type(jax.random.bits(k, shape, jnp.uint32), jnp.int32)  # noqa: E731
+        setattr(model.layers, proj, QuantLinear(
+            qweight=bits(k1, (L, K // 8, N)), qzeros=bits(k2, (L, G, N // 8)),
+            scales=jnp.full((L, G, N), 0.01, jnp.float16),
+            g_idx=jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32) // group_size, (L, K))))
+    return model
+
+
+def decode(cfg, quant: bool, batches, new_tokens, bandwidth, log):
     import jax
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
-    from amdllm.generate import generate_ids
-    from amdllm.gptq import QuantSpec
-    from amdllm.gptq_calib import model_bytes, quantize_model
+    from amdllm.generate import Decoder, generate_ids
+    from amdllm.gptq_calib import model_bytes
     from amdllm.model import Llama
     from amdllm.train import accelerator_name
 
     model = Llama(cfg, rngs=nnx.Rngs(1), param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)
     if quant:
-        quantize_model(model, None, QuantSpec(bits=4, group_size=128), method="rtn", report=False)
+        random_int4(model)
     nbytes = model_bytes(model)
-    bw = HBM_BYTES_PER_S.get(accelerator_name(), 0)
+    sheet = HBM_BYTES_PER_S.get(accelerator_name())
     out = []
     for B in batches:
         prompts = np.random.default_rng(0).integers(3, cfg.vocab_size, (B, 32)).tolist()
         generate_ids(model, prompts, new_tokens, eos_ids=())  # compile (same cache bucket as the timed run)
+        dec = Decoder(model, eos_ids=())
         t0 = time.perf_counter()
-        generate_ids(model, prompts, new_tokens, eos_ids=())
+        generate_ids(model, prompts, new_tokens, eos_ids=(), decoder=dec)
         sec = time.perf_counter() - t0
+        steady = dec.tokens_per_second()                      # decode only (prefill excluded), tokens/s
         kv = 2 * cfg.num_hidden_layers * B * (32 + new_tokens) * cfg.kv_dim * 2
-        bound = bw / (nbytes + kv) if bw else None  # decode steps/s if every step reads weights + cache once
-        r = {"weights": "int4-g128" if quant else "bf16", "batch": B, "tokens_per_s": B * new_tokens / sec,
-             "steps_per_s": new_tokens / sec, "model_bytes": nbytes, "bandwidth_bound_steps_per_s": bound,
-             "fraction_of_bound": (new_tokens / sec) / bound if bound else None}
+        step_bytes = nbytes + kv
+        r = {"weights": "int4-g128" if quant else "bf16", "batch": B, "new_tokens": new_tokens,
+             "tokens_per_s_incl_prefill": B * new_tokens / sec, "tokens_per_s_decode": steady,
+             "steps_per_s_decode": steady / B if steady else None, "model_bytes": nbytes,
+             "bound_steps_per_s_measured_bw": bandwidth / step_bytes,
+             "bound_steps_per_s_datasheet_bw": sheet / step_bytes if sheet else None}
+        r["fraction_of_measured_bound"] = r["steps_per_s_decode"] / r["bound_steps_per_s_measured_bw"] \
+            if steady else None
         log(json.dumps(r))
         out.append(r)
     del model
@@ -118,31 +182,48 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test on a tiny shape")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="skip later phases past this many seconds")
     args = ap.parse_args()
     from amdllm.config import LlamaConfig, get_preset
     if args.tiny:
-        cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
         seq, batches, steps, dec_b, new = 128, [4, 2], 2, [1, 2], 8
     else:
         cfg = get_preset("llama-3.1-8b")
         seq, batches, steps, dec_b, new = 2048, [16, 8, 4, 2, 1], 5, [1, 8], 128
+    t0 = time.perf_counter()
     lines = []
 
     def log(s):
-        print(s, flush=True)
+        print(f"[{time.perf_counter() - t0:6.1f}s] {s}", flush=True)
         lines.append(s)
     result = {"machine": machine_info(), "config": cfg.to_dict()}
-    t0 = time.perf_counter()
-    result["lora_step"] = lora_step(cfg, seq, batches, steps, log)
+
+    def save():
+        result["total_s"] = time.perf_counter() - t0
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "gpu.json").write_text(json.dumps(result, indent=2) + "\n")
+
     import jax
-    jax.clear_caches()
-    result["decode_bf16"] = decode(cfg, False, dec_b, new, log)
-    result["decode_int4"] = decode(cfg, True, dec_b, new, log)
-    result["total_s"] = time.perf_counter() - t0
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "gpu.json").write_text(json.dumps(result, indent=2) + "\n")
+    phases = [("ceilings", lambda: ceilings(args.tiny, log)),
+              ("lora_step", lambda: lora_step(cfg, seq, batches, steps, result["ceilings"]["matmul_flops"], log)),
+              ("decode_bf16", lambda: decode(cfg, False, dec_b, new, result["ceilings"]["copy_bytes_per_s"], log)),
+              ("decode_int4", lambda: decode(cfg, True, dec_b, new, result["ceilings"]["copy_bytes_per_s"], log))]
+    for name, fn in phases:
+        if time.perf_counter() - t0 > args.budget_s:
+            result[name] = {"skipped": f"time budget of {args.budget_s:.0f} s spent"}
+            log(f"{name}: skipped (budget)")
+            continue
+        try:
+            result[name] = fn()
+        except Exception as e:  # record and go on: one broken phase must not lose the others
+            import traceback
+            traceback.print_exc()
+            result[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        jax.clear_caches()
+        save()
     print(json.dumps({k: v for k, v in result.items() if k not in ("machine", "config")}, indent=1))
 
 
