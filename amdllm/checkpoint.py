@@ -4,10 +4,13 @@ How it works, and why:
   * One table, `NAME_TABLE`, maps every HF tensor name to our parameter. HF stores one tensor per
     layer, nn.Linear weights [out, in]; we store each kind stacked on a leading `layers` axis with
     kernels [in, out]. So HF `model.layers.{i}.self_attn.q_proj.weight` [q, D] is `layers/q_proj[i].T`.
-  * safetensors files are memory-mapped and decoded here (8-byte header length, JSON header, raw
-    little-endian data): a tensor is a zero-copy numpy view until it is cast, so peak host memory is
-    about one stacked parameter plus the model. numpy has no bfloat16; `ml_dtypes` (a jax dependency)
-    provides it, so bf16 checkpoints are read and written exactly, without torch.
+  * Tensors are read through `amdllm.safetensors_io` (memory-mapped safetensors, re-exported here):
+    a tensor is a zero-copy view of the file until it is copied into its destination.
+  * Host memory at load is about the model itself (1.0-1.1x the checkpoint for a same-dtype load):
+    each parameter's destination is allocated once, 64-byte aligned, and every HF tensor is cast and
+    transposed straight into it, a slab of rows at a time, each slab's file pages released as soon as
+    it is copied. On CPU `jax.device_put` adopts an aligned host buffer without copying it, so that
+    buffer *is* the parameter; an unaligned one would be copied, holding the parameter twice.
   * With `shardings`, each parameter is created by `jax.make_array_from_callback`: every device asks
     only for its block, which is read straight from the mapped files (layer range, then a transposed
     2-D slice), so no host ever holds a whole 405B parameter.
@@ -17,11 +20,10 @@ How it works, and why:
 from __future__ import annotations
 
 import json
-import mmap
 import re
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,12 +33,15 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from amdllm.config import LlamaConfig
-from amdllm.io import atomic_path, atomic_write_bytes, atomic_write_text, read_json
+from amdllm.io import atomic_write_bytes, atomic_write_text, read_json
 from amdllm.model import Llama, param_table
+from amdllm.safetensors_io import (ST_DTYPES, ST_NAMES, CheckpointError, SafetensorsFile, TensorSource,
+                                   load_tensors, parse_size, save_tensors, write_safetensors)
 
-
-class CheckpointError(ValueError):
-    """A checkpoint we cannot read or write; the message names the file / tensor and what was expected."""
+# the reader / writer are re-exported: `checkpoint.TensorSource`, `checkpoint.save_tensors`, ... keep working
+__all__ = ["NAME_TABLE", "IGNORED_SUFFIXES", "TOKENIZER_FILES", "hf_tensor_specs", "validate", "load", "save",
+           "CheckpointError", "ST_DTYPES", "ST_NAMES", "SafetensorsFile", "TensorSource", "load_tensors",
+           "parse_size", "save_tensors", "write_safetensors"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -82,159 +87,6 @@ def hf_tensor_specs(cfg: LlamaConfig) -> dict[str, tuple[str, int | None, bool, 
 
 
 # ------------------------------------------------------------------------------------------------
-# safetensors, decoded by hand over a memory map
-# ------------------------------------------------------------------------------------------------
-ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-             "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "I64": np.int64,
-             "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
-ST_NAMES = {np.dtype(v): k for k, v in ST_DTYPES.items()}
-
-
-class SafetensorsFile:
-    """One .safetensors file: header parsed and checked against the file size; tensors as mmap views."""
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        size = self.path.stat().st_size
-        with open(self.path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{self.path}: truncated or not a safetensors file ({size} bytes)")
-            n = int.from_bytes(head, "little")
-            if n > size - 8 or n > 100_000_000:
-                raise CheckpointError(f"{self.path}: truncated or corrupt safetensors file (header of {n} "
-                                      f"bytes announced, file has {size} bytes)")
-            try:
-                header = json.loads(f.read(n))
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise CheckpointError(f"{self.path}: corrupt safetensors header ({e})") from None
-        self.metadata = header.pop("__metadata__", None) or {}
-        self.data_start = 8 + n
-        self.tensors: dict[str, tuple[Any, tuple[int, ...], int, int]] = {}
-        end_max = 0
-        for name, t in header.items():
-            try:
-                dt, shape, (b, e) = ST_DTYPES[t["dtype"]], tuple(t["shape"]), t["data_offsets"]
-            except (KeyError, TypeError, ValueError):
-                raise CheckpointError(f"{self.path}: tensor {name!r} has an unreadable header entry {t}") from None
-            if e - b != int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize:
-                raise CheckpointError(f"{self.path}: tensor {name!r} header is inconsistent "
-                                      f"(shape {list(shape)} {t['dtype']} vs {e - b} bytes)")
-            self.tensors[name] = (dt, shape, b, e)
-            end_max = max(end_max, e)
-        if self.data_start + end_max > size:
-            raise CheckpointError(f"{self.path}: truncated safetensors file (data ends at byte "
-                                  f"{self.data_start + end_max}, file has {size} bytes)")
-        self._map = np.memmap(self.path, dtype=np.uint8, mode="r") if size else None
-
-    def get(self, name: str) -> np.ndarray:
-        """A read-only zero-copy view of tensor `name` (pages are read from disk only when touched)."""
-        dt, shape, b, e = self.tensors[name]
-        return self._map[self.data_start + b:self.data_start + e].view(dt).reshape(shape)
-
-    def release(self, name: str) -> None:
-        """Drop this process's mapped pages of tensor `name` (they stay in the page cache and are
-        re-read if touched again), so a sharded load's resident memory is what it owns, not the
-        file pages its column slices touched."""
-        advice = getattr(mmap, "MADV_DONTNEED", None)
-        if self._map is None or advice is None:
-            return
-        _, _, b, e = self.tensors[name]
-        start = (self.data_start + b) // mmap.PAGESIZE * mmap.PAGESIZE  # madvise wants page alignment
-        if self.data_start + e > start:
-            self._map._mmap.madvise(advice, start, self.data_start + e - start)
-
-
-class TensorSource:
-    """All tensors of a checkpoint directory (one file, index + shards, or opted-in pickles) by name."""
-
-    def __init__(self, path: str | Path, allow_pickle: bool = False):
-        self.path = Path(path)
-        self._where: dict[str, Any] = {}  # name -> SafetensorsFile or a torch state dict
-        single, index = self.path / "model.safetensors", self.path / "model.safetensors.index.json"
-        if single.is_file():
-            self._add_file(single)
-        elif index.is_file():
-            for fname in sorted(set(_read_weight_map(index).values())):
-                if not (self.path / fname).is_file():
-                    raise CheckpointError(f"{index}: shard {fname!r} listed in weight_map is missing")
-                self._add_file(self.path / fname)
-            for name, fname in _read_weight_map(index).items():
-                if name not in self._where:
-                    raise CheckpointError(f"{index}: tensor {name!r} is mapped to {fname!r} but that file "
-                                          "does not contain it")
-        else:
-            bins = sorted(self.path.glob("pytorch_model*.bin")) or sorted(self.path.glob("*.bin"))
-            if not bins:
-                found = sorted(p.name for p in self.path.iterdir()) if self.path.is_dir() else []
-                raise CheckpointError(f"{self.path}: no model.safetensors, model.safetensors.index.json or "
-                                      f"pytorch_model*.bin found (files: {found})")
-            if not allow_pickle:
-                raise CheckpointError(
-                    f"{bins[0]}: pickled PyTorch weights are refused (a .bin can run arbitrary code when "
-                    "loaded); convert to safetensors, or pass allow_pickle=True if you trust the source")
-            import torch
-            for b in bins:
-                try:  # mmap keeps host memory low; legacy (non-zip) pickles cannot be mapped
-                    sd = torch.load(b, map_location="cpu", weights_only=True, mmap=True)
-                except RuntimeError:
-                    try:
-                        sd = torch.load(b, map_location="cpu", weights_only=True)
-                    except Exception as e:
-                        raise CheckpointError(f"{b}: cannot read PyTorch weights ({type(e).__name__}: "
-                                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
-                for name in sd:
-                    self._where[name] = sd
-
-    def _add_file(self, path: Path):
-        f = SafetensorsFile(path)
-        for name in f.tensors:
-            self._where[name] = f
-
-    def names(self) -> list[str]:
-        return list(self._where)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        src = self._where[name]
-        return src.tensors[name][1] if isinstance(src, SafetensorsFile) else tuple(src[name].shape)
-
-    def dtype(self, name: str) -> np.dtype:
-        src = self._where[name]
-        return np.dtype(src.tensors[name][0]) if isinstance(src, SafetensorsFile) else _torch_np(src[name]).dtype
-
-    def get(self, name: str) -> np.ndarray:
-        src = self._where[name]
-        return src.get(name) if isinstance(src, SafetensorsFile) else _torch_np(src[name])
-
-    def release(self, name: str) -> None:
-        src = self._where[name]
-        if isinstance(src, SafetensorsFile):
-            src.release(name)
-
-
-def _read_weight_map(index: Path) -> dict[str, str]:
-    try:
-        wm = json.loads(index.read_text())["weight_map"]
-        assert isinstance(wm, dict)
-        return wm
-    except (json.JSONDecodeError, KeyError, AssertionError, TypeError):
-        raise CheckpointError(f"{index}: not a valid index (expected JSON with a 'weight_map' object)") from None
-
-
-def _torch_np(t) -> np.ndarray:
-    import torch
-    if t.dtype == torch.bfloat16:  # numpy has no bf16: reinterpret the bits
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()
-
-
-def load_tensors(path: str | Path) -> dict[str, np.ndarray]:
-    """Every tensor of one .safetensors file as numpy (bf16 as ml_dtypes.bfloat16); for small files."""
-    f = SafetensorsFile(Path(path))
-    return {name: np.array(f.get(name)) for name in f.tensors}
-
-
-# ------------------------------------------------------------------------------------------------
 # load
 # ------------------------------------------------------------------------------------------------
 def _fmt(items: list[str], limit: int = 8) -> str:
@@ -268,27 +120,61 @@ def validate(src: TensorSource, cfg: LlamaConfig) -> dict:
     return specs
 
 
+# XLA's CPU client adopts a host buffer as a device buffer without copying only when its data starts on
+# a 64-byte boundary; numpy's (malloc's) large buffers start 16 bytes into a page, so they are copied.
+ALIGN = 64
+SLAB_BYTES = 8 << 20  # HF rows copied per step; their file pages are released before the next step
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """An uninitialised C-ordered array whose data starts on an ALIGN-byte boundary."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(n + ALIGN, np.uint8)
+    off = -raw.ctypes.data % ALIGN
+    return raw[off:off + n].view(dtype).reshape(shape)
+
+
+def _copy_into(out: np.ndarray, src: TensorSource, name: str, tr: bool, index: tuple) -> None:
+    """out[...] = (HF tensor `name`, transposed if `tr`)[index], cast to out.dtype. A 2-D tensor is
+    copied a slab of HF rows at a time and each slab's file pages are released once copied, so the
+    pages touched never add more than SLAB_BYTES to the peak (a transposed column block reads them all)."""
+    view = src.get(name)  # a view of the mapped file: copied, never aliased (pages are released below)
+    if view.ndim != 2:
+        out[...] = view[index]
+        src.release(name)
+        return
+    row_sl, col_sl = (index[1], index[0]) if tr else index  # HF rows are our columns when transposed
+    rows = range(*row_sl.indices(view.shape[0]))
+    if rows.step != 1:  # never asked for by jax; correct, just not slab by slab
+        out[...] = (view.T if tr else view)[index]
+        src.release(name)
+        return
+    step = max(1, SLAB_BYTES // max(1, view.shape[1] * view.dtype.itemsize))
+    for k in range(0, len(rows), step):
+        r0, r1 = rows.start + k, min(rows.stop, rows.start + k + step)
+        slab = view[r0:r1, col_sl]
+        if tr:
+            out[:, k:k + r1 - r0] = slab.T  # the transpose is a strided copy straight into `out`
+        else:
+            out[k:k + r1 - r0] = slab
+        src.release(name, (r0, r1))
+
+
 def _read_block(src: TensorSource, cfg: LlamaConfig, ours: str, index: tuple, dtype) -> np.ndarray:
-    """Our parameter `ours` restricted to `index` (a tuple of slices), read from HF tensors, as `dtype`."""
+    """Our parameter `ours` restricted to `index` (a tuple of slices), read from HF tensors, as `dtype`,
+    in a fresh ALIGN-aligned buffer that jax may adopt as is."""
     (hf, tr) = next((h, t) for o, h, t in NAME_TABLE if o == ours)
     shape = param_table(cfg)[ours][0]
     index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    block = tuple(len(range(*sl.indices(n))) for sl, n in zip(index, shape))
+    out = _aligned_empty(block, dtype)
     if not ours.startswith("layers/"):
-        view = src.get(hf)  # always a fresh C-ordered copy: never let a device array alias the file map
-        out = np.array((view.T if tr else view)[index], dtype=dtype, order="C")
-        src.release(hf)
+        _copy_into(out, src, hf, tr, index)
         return out
-    layers = range(*index[0].indices(shape[0]))
-    rest = index[1:]
-    out = None
-    for j, i in enumerate(layers):
-        view = src.get(hf.format(i=i))      # HF [out, in] (or [D] for norms)
-        block = (view.T if tr else view)[rest]  # ours [in, out] block: only these bytes are read
-        if out is None:
-            out = np.empty((len(layers),) + block.shape, dtype)
-        out[j] = block                       # the cast happens here, one layer at a time
-        src.release(hf.format(i=i))          # a column slice touched every page: let them go
-    return out if out is not None else np.empty((0,) + shape[1:], dtype)
+    for j, i in enumerate(range(*index[0].indices(shape[0]))):  # the stacked buffer, one layer at a time
+        _copy_into(out[j], src, hf.format(i=i), tr, index[1:])
+    return out
 
 
 def _flatten_shardings(sh) -> dict[str, Any]:
@@ -349,7 +235,7 @@ def load(path, *, dtype=jnp.float32, compute_dtype=None, mesh=None, rules=None, 
             value = jax.make_array_from_callback(
                 shape, shardings[ours], lambda idx, o=ours: _read_block(src, cfg, o, idx, dtype))
         else:
-            value = jax.device_put(_read_block(src, cfg, ours, (), dtype))
+            value = jax.device_put(_read_block(src, cfg, ours, (), dtype), may_alias=True)
         owner, attr = (model.layers, ours.split("/")[1]) if ours.startswith("layers/") else (model, ours)
         getattr(owner, attr).set_value(value)
     return model
@@ -358,48 +244,6 @@ def load(path, *, dtype=jnp.float32, compute_dtype=None, mesh=None, rules=None, 
 # ------------------------------------------------------------------------------------------------
 # save
 # ------------------------------------------------------------------------------------------------
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_size(size) -> int:
-    """2_000_000, "2GB" (10^9, like transformers), "500MB", "1GiB" -> bytes."""
-    if isinstance(size, (int, np.integer)) and size > 0:
-        return int(size)
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", str(size).upper())
-    if not m or float(m.group(1)) <= 0:
-        raise CheckpointError(f"max_shard_size={size!r}: expected bytes (int) or a size like '2GB', '500MB'")
-    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
-
-
-def write_safetensors(path, entries: list[tuple[str, tuple[int, ...], Any, Callable[[], np.ndarray]]],
-                      metadata: dict[str, str] | None = None) -> None:
-    """Stream tensors into one .safetensors file, atomically. entries: (name, shape, dtype, fetch);
-    `fetch()` is called once per tensor, just before its bytes are written, so only one is in memory."""
-    header, offset = {}, 0
-    for name, shape, dt, _ in entries:
-        n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
-        header[name] = {"dtype": ST_NAMES[np.dtype(dt)], "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    header = {"__metadata__": dict(metadata or {"format": "pt"}), **header}
-    hbytes = json.dumps(header, separators=(",", ":")).encode()
-    hbytes += b" " * (-len(hbytes) % 8)  # data starts 8-byte aligned, like the reference writer
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:
-        f.write(len(hbytes).to_bytes(8, "little"))
-        f.write(hbytes)
-        for name, shape, dt, fetch in entries:
-            a = np.ascontiguousarray(fetch(), dtype=dt)
-            if a.shape != tuple(shape):
-                raise CheckpointError(f"{path}: tensor {name!r} has shape {list(a.shape)}, header says {list(shape)}")
-            f.write(a.tobytes())  # little-endian on every platform JAX supports
-
-
-def save_tensors(path, tensors: dict[str, Any], metadata: dict[str, str] | None = None) -> None:
-    """Write a dict of arrays (numpy or jax, bf16 included) as one .safetensors file."""
-    write_safetensors(path, [(k, tuple(np.shape(v)), np.dtype(v.dtype), lambda v=v: np.asarray(v))
-                             for k, v in tensors.items()], metadata)
-
-
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "generation_config.json", "chat_template.jinja")
 

@@ -17,19 +17,18 @@ Supported here: 2, 4 and 8 bits (3-bit's 10-1-10-1-10 packing is not implemented
 from __future__ import annotations
 
 import json
-import mmap
 import shutil
 import warnings
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from flax import nnx
 
 from amdllm.config import LlamaConfig
 from amdllm.io import atomic_path, atomic_write_text
+from amdllm.safetensors_io import CheckpointError, load_tensors
 
 FORMAT_BITS = (2, 4, 8)
 QUANT_KEYS = ("qweight", "qzeros", "scales", "g_idx")
@@ -123,31 +122,14 @@ def quantized_matmul(x2d, q: dict, dtype=jnp.float32):
 
 
 # --------------------------------------------------------------------------------------------------
-# safetensors without a framework (our own reader so bf16/fp16 both come back as numpy)
+# safetensors: the shared reader (amdllm.safetensors_io), bf16/fp16/int32 all come back as numpy
 # --------------------------------------------------------------------------------------------------
-_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I32": np.int32,
-              "I64": np.int64, "I8": np.int8, "U8": np.uint8, "I16": np.int16, "F64": np.float64,
-              "BOOL": np.bool_}
-
-
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    with open(path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    n = int.from_bytes(mm[:8], "little")
+    """Every tensor of one .safetensors file, copied out of the map; a bad file is a QuantFormatError."""
     try:
-        header = json.loads(mm[8:8 + n])
-    except ValueError as e:
-        raise QuantFormatError(f"{path}: not a safetensors file ({e})") from None
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        if info["dtype"] not in _ST_DTYPES:
-            raise QuantFormatError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
-        a, b = info["data_offsets"]
-        buf = mm[8 + n + a:8 + n + b]
-        out[name] = np.frombuffer(buf, dtype=_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
-    return out
+        return load_tensors(path)
+    except CheckpointError as e:
+        raise QuantFormatError(str(e)) from None
 
 
 def read_checkpoint_tensors(path: Path) -> dict[str, np.ndarray]:
