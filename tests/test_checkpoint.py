@@ -264,3 +264,59 @@ def test_mesh_and_rules(f32):
         name = "/".join(map(str, k))
         assert np.array_equal(np.asarray(v), plain[name]), name
         assert set(v.sharding.device_set) == set(jax.devices()[:4]), name
+
+
+# ---- host memory at load (benchmarks/bench_load.py measures the peak) ------------------------------
+def test_slab_by_slab_copy_is_exact(f32, monkeypatch):
+    """Tensors copied (cast, transposed, column-sliced) a few HF rows at a time, each slab's file pages
+    released after it: the same bits as one copy, sharded or not. (By default only tensors over
+    SLAB_BYTES, 8 MB, are split, which no tiny checkpoint has.)"""
+    plain = _state(checkpoint.load(f32[0]))
+    plain16 = _state(checkpoint.load(f32[0], dtype=jnp.bfloat16))
+    released = []
+    release = checkpoint.SafetensorsFile.release
+    monkeypatch.setattr(checkpoint, "SLAB_BYTES", 3 * 64 * 4 + 1)  # 3 rows of a [*, 64] float32 tensor
+    monkeypatch.setattr(checkpoint.SafetensorsFile, "release",
+                        lambda self, name, rows=None: (released.append((name, rows)), release(self, name, rows)))
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("x", "y"))
+    shardings = {"embed_tokens": NamedSharding(mesh, P("y", "x")),
+                 "lm_head": NamedSharding(mesh, P("x", "y")),           # HF rows from the middle, transposed
+                 "layers/down_proj": NamedSharding(mesh, P(None, "y", "x"))}
+    for sh in (None, shardings):
+        got = _state(checkpoint.load(f32[0], shardings=sh))
+        assert all(np.array_equal(got[k], plain[k]) for k in plain), sh
+    got16 = _state(checkpoint.load(f32[0], dtype=jnp.bfloat16))  # the cast happens slab by slab too
+    assert all(np.array_equal(got16[k].view(np.uint16), plain16[k].view(np.uint16)) for k in plain16)
+    assert ("model.embed_tokens.weight", (0, 3)) in released and ("lm_head.weight", (3, 6)) in released
+
+
+def test_device_put_adopts_the_aligned_host_buffer():
+    """load's peak (about the model itself, not the model plus a copy) relies on XLA's CPU client taking
+    a 64-byte-aligned numpy buffer as the device buffer without copying it: fail loudly if a jax
+    upgrade stops doing so. An unaligned buffer is copied (what numpy's own allocations usually are)."""
+    a = checkpoint._aligned_empty((300, 70), jnp.bfloat16)
+    assert a.ctypes.data % checkpoint.ALIGN == 0 and a.flags.c_contiguous and a.shape == (300, 70)
+    a[...] = 1
+    x = jax.device_put(a, may_alias=True)
+    assert x.unsafe_buffer_pointer() == a.ctypes.data
+    raw = np.empty(300 * 70 * 2 + 64, np.uint8)
+    off = (16 - raw.ctypes.data) % 64
+    b = raw[off:off + 300 * 70 * 2].view(jnp.bfloat16).reshape(300, 70)  # 16 bytes past a 64-byte boundary
+    assert b.ctypes.data % 64 == 16
+    assert jax.device_put(b, may_alias=True).unsafe_buffer_pointer() != b.ctypes.data
+    assert np.array_equal(np.asarray(x, np.float32), np.ones((300, 70), np.float32))
+
+
+def test_reader_errors_shared_with_gptq(tmp_path):
+    """quant_format reads safetensors with the same reader: its checks, reported as QuantFormatError."""
+    from amdllm.quant_format import QuantFormatError, read_safetensors
+    f = tmp_path / "x.safetensors"
+    checkpoint.save_tensors(f, {"a": np.arange(6, dtype=np.int32).reshape(2, 3)})
+    assert np.array_equal(read_safetensors(f)["a"], np.arange(6).reshape(2, 3))
+    data = f.read_bytes()
+    f.write_bytes(data.replace(b'"I32"', b'"I99"'))
+    with pytest.raises(QuantFormatError, match="tensor 'a' has unsupported dtype 'I99'"):
+        read_safetensors(f)
+    f.write_bytes(data[:-4])
+    with pytest.raises(QuantFormatError, match="truncated"):
+        read_safetensors(f)
