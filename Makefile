@@ -46,8 +46,24 @@ lab: install
 	$(BIN)/python -m ipykernel install --sys-prefix --name amdllm --display-name "amdllm (.venv)"
 	$(BIN)/jupyter lab notebooks/
 
-bench: install
-	$(BIN)/python benchmarks/run_all.py --out bench_results
+# GPTQModel, the reference side of benchmarks/bench_gptq.py, goes in its own venv that sees .venv's packages
+# through a .pth file: it declares torch>=2.14.1, which pip cannot install next to torch 2.13.0 (it runs on
+# 2.13.0), and in .venv its torchao/datasets/pandas would sit under the tests. requirements/bench-gptqmodel.txt.
+GM_VENV  := $(VENV)/gptqmodel-env
+GM_STAMP := $(GM_VENV)/.installed
+$(GM_STAMP): $(STAMP) requirements/bench-gptqmodel.txt
+	@test -x $(GM_VENV)/bin/python || $(PY) -m venv $(GM_VENV)
+	@base=$$($(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"); \
+	 own=$$($(GM_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"); \
+	 echo "import site; site.addsitedir('$$base')" > "$$own/amdllm-venv.pth"
+	$(GM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(GM_VENV)/bin/python -m pip install -q -c requirements/lock.txt -r requirements/bench-gptqmodel.txt
+	$(GM_VENV)/bin/python -m pip install -q --no-deps gptqmodel==7.7.0
+	$(GM_VENV)/bin/python -c "import torch, transformers; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	@touch $@
+
+bench: install $(GM_STAMP)
+	AMDLLM_GPTQMODEL_PYTHON=$(abspath $(GM_VENV))/bin/python $(BIN)/python benchmarks/run_all.py --out bench_results
 
 clean:
 	rm -rf build bench_results .pytest_cache
