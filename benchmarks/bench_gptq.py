@@ -95,6 +95,24 @@ def find_gptqmodel_python(arg: str | None) -> str | None:
     return None
 
 
+def code_agreement(dir_a: Path, dir_b: Path, bits: int = 4) -> dict:
+    """How alike two GPTQ checkpoints are: share of identical codes, largest relative scale difference."""
+    import numpy as np
+
+    from amdllm.quant_format import read_checkpoint_tensors, unpack_rows
+    a, b = read_checkpoint_tensors(dir_a), read_checkpoint_tensors(dir_b)
+    same = far = total = 0
+    scale_rel = 0.0
+    for name in (k for k in a if k.endswith(".qweight")):
+        ca, cb = np.asarray(unpack_rows(a[name], bits)), np.asarray(unpack_rows(b[name], bits))
+        same, total = same + int((ca == cb).sum()), total + ca.size
+        far += int((np.abs(ca - cb) > 1).sum())
+        sa, sb = (x[name.replace("qweight", "scales")].astype(np.float32) for x in (a, b))
+        scale_rel = max(scale_rel, float(np.max(np.abs(sa - sb) / np.maximum(np.abs(sb), 1e-12))))
+    return {"identical_codes": round(same / total, 5), "codes_off_by_more_than_1": round(far / total, 5),
+            "max_scale_rel_diff": round(scale_rel, 5)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
@@ -176,6 +194,7 @@ def main() -> None:
                          "bytes": gptq.model_bytes(q), "wall_s": t["wall_s"], "cpu_s": t["cpu_s"],
                          "inproc_s": res["seconds"]})
             print(rows[-1], flush=True)
+            extra["checkpoint_agreement"] = code_agreement(tmp / "gptq", tmp / "gptqmodel")
             extra["gptqmodel"] = {"version": res["version"], "torch": res["torch"],
                                   "cpu_workers": env["GPTQMODEL_CPU_WORKERS"], "python": gm_python}
             ours, theirs = rows[1], rows[-1]
