@@ -10,32 +10,46 @@ results as JSON to `results_path` (OUT/<name>.results.json) after asserting them
 collects those into OUT/summary.json and prints a one-screen summary. One failing notebook does not
 stop the others; the exit status is 1 if any failed.
 
+The kernels share a persistent JAX compilation cache (`--compile-cache`, default
+$AMDLLM_HOME/jax-cache; `none` turns it off): the lessons compile the same functions (prefill/decode,
+the LoRA step, perplexity, GPTQ's solver) for the same small model, and on 2 CPU cores compiling is a
+large share of a lesson's time. The cache is keyed by the computation and the JAX version, so it can
+only skip work, never change a result.
+
 `strip` removes outputs, execution counts and per-run metadata (papermill's, widget state) so that
 notebooks are committed clean; `--check` only reports and exits 1 if any notebook is not clean.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import os
+import resource
 import sys
 import time
 from pathlib import Path
 
-import nbformat
-
 from amdllm.io import atomic_write_text
+
+# nbformat is imported where it is used: importing it costs seconds (jsonschema), and every notebook's
+# final cell imports this module for `record`.
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOK_DIR = REPO / "notebooks"
 NOTEBOOKS = ("00_setup", "01_weight_conversion", "02_mesh_sharding", "03_lora_finetuning",
              "04_gptq_quantization", "05_inference_and_serving")
 
-# Small sizes for `make test` (each notebook also reads `quick` for anything not listed here).
+# Small sizes for `make test` (each notebook also reads `quick` for anything not listed here). They check
+# the mechanics, not the quality: 04 keeps 8 x 256 calibration tokens (GPTQ needs 2 x in_features = 1536)
+# and one batch of held-out windows; 05 packs its int4 model with RTN (no calibration; lesson 04 tests
+# GPTQ) and trains LoRA just long enough to learn the task's answer format (one word, then end-of-text).
 QUICK_PARAMS: dict[str, dict] = {
     "03_lora_finetuning": {"train_steps": 40, "eval_examples": 24},
     "04_gptq_quantization": {"calib_samples": 8, "eval_tokens": 2048},
-    "05_inference_and_serving": {"max_new_tokens": 16, "lora_steps": 60, "calib_samples": 8},
+    "05_inference_and_serving": {"max_new_tokens": 16, "lora_steps": 24, "lora_batch_size": 4,
+                                 "quant_method": "rtn"},
 }
 
 # Which recorded results the summary shows, per notebook: (results key, label, format).
@@ -81,25 +95,67 @@ def _params_for(name: str, quick: bool, results_path: Path, extra: dict | None) 
     return params
 
 
-def _kernel_env() -> None:
-    """The kernel is a child process: it must import this checkout's amdllm even when not installed."""
+def default_compile_cache() -> Path:
+    from amdllm.course import amdllm_home
+    return amdllm_home() / "jax-cache"
+
+
+@contextlib.contextmanager
+def _kernel_env(compile_cache: str | os.PathLike | None):
+    """The environment the kernel (a child process) starts with, restored afterwards: this checkout's
+    amdllm importable even when not installed, offline Hugging Face, and the shared compilation cache.
+    Set only around the kernel's start so that the calling process (a pytest worker) is not changed."""
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if str(REPO) not in paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), *paths])
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+    env = {"PYTHONPATH": os.pathsep.join(dict.fromkeys([str(REPO), *paths])),
+           "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "false"),
+           "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+           "TRANSFORMERS_OFFLINE": os.environ.get("TRANSFORMERS_OFFLINE", "1"),
+           "MPLBACKEND": os.environ.get("MPLBACKEND", "module://matplotlib_inline.backend_inline")}
+    if compile_cache:
+        Path(compile_cache).mkdir(parents=True, exist_ok=True)
+        env["JAX_COMPILATION_CACHE_DIR"] = str(compile_cache)
+        # JAX only caches compilations slower than 1 s by default; on an unloaded machine many of
+        # the lessons' compilations take 0.3-1 s, and there are dozens of them
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class _DropParseWarnings(logging.Filter):
+    """papermill warns about every parameter line with two '=' (e.g. mesh_spec = "fsdp=4,tensor=2"); its
+    parser is only used to list parameters, and the injection works, so the warning is noise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Unable to parse line")
+
+
+def _cpu_seconds_of_children() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)  # the kernel, once it has exited and been waited for
+    return r.ru_utime + r.ru_stime
 
 
 def run_one(name: str, out: str | os.PathLike, *, quick: bool = False, timeout: int = 1200,
-            parameters: dict | None = None, kernel: str = "python3") -> dict:
-    """Execute notebooks/<name>.ipynb into OUT/<name>.ipynb; return {name, ok, seconds, results, error}."""
+            parameters: dict | None = None, kernel: str = "python3",
+            compile_cache: str | os.PathLike | None = None) -> dict:
+    """Execute notebooks/<name>.ipynb into OUT/<name>.ipynb; return {name, ok, seconds, cpu_seconds,
+    results, error}. cpu_seconds is the kernel's CPU time (a fairer measure than wall time on a shared
+    machine); compile_cache is a JAX persistent compilation cache directory (None: no cache)."""
     import warnings
 
     import papermill as pm
     from nbformat.validator import MissingIDFieldWarning
     warnings.filterwarnings("ignore", category=MissingIDFieldWarning)  # papermill's injected cell has no id
+    parse_log = logging.getLogger("papermill.translators")
+    if not any(isinstance(f, _DropParseWarnings) for f in parse_log.filters):
+        parse_log.addFilter(_DropParseWarnings())
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     src = NOTEBOOK_DIR / f"{name}.ipynb"
@@ -107,19 +163,21 @@ def run_one(name: str, out: str | os.PathLike, *, quick: bool = False, timeout: 
         raise FileNotFoundError(f"{src}: no such notebook (known: {', '.join(NOTEBOOKS)})")
     results_path = out / f"{name}.results.json"
     results_path.unlink(missing_ok=True)  # a stale file must not pass for this run's results
-    _kernel_env()
-    t0 = time.time()
-    rec = {"name": name, "ok": False, "seconds": None, "results": None, "error": None,
+    t0, cpu0 = time.time(), _cpu_seconds_of_children()
+    rec = {"name": name, "ok": False, "seconds": None, "cpu_seconds": None, "results": None, "error": None,
            "executed": str(out / f"{name}.ipynb")}
     try:
         # cwd = notebooks/ so that relative paths in a notebook (solutions/, ../data) work as in Jupyter
-        pm.execute_notebook(str(src), rec["executed"], parameters=_params_for(name, quick, results_path, parameters),
-                            kernel_name=kernel, cwd=str(NOTEBOOK_DIR), execution_timeout=timeout,
-                            progress_bar=False, log_output=False, report_mode=False)
+        with _kernel_env(compile_cache):
+            pm.execute_notebook(str(src), rec["executed"],
+                                parameters=_params_for(name, quick, results_path, parameters),
+                                kernel_name=kernel, cwd=str(NOTEBOOK_DIR), execution_timeout=timeout,
+                                progress_bar=False, log_output=False, report_mode=False)
     except Exception as e:  # papermill's error names the cell and the exception; keep its first lines
         msg = str(e).strip().splitlines()
         rec["error"] = " | ".join(line for line in msg[:6] if line.strip())[:600] or type(e).__name__
     rec["seconds"] = round(time.time() - t0, 1)
+    rec["cpu_seconds"] = round(_cpu_seconds_of_children() - cpu0, 1)
     if results_path.exists():
         rec["results"] = json.loads(results_path.read_text())
     if rec["error"] is None and rec["results"] is None:
@@ -129,14 +187,15 @@ def run_one(name: str, out: str | os.PathLike, *, quick: bool = False, timeout: 
 
 
 def run(out: str | os.PathLike, *, quick: bool = False, only: list[str] | None = None,
-        timeout: int = 1200, parameters: dict | None = None) -> list[dict]:
+        timeout: int = 1200, parameters: dict | None = None,
+        compile_cache: str | os.PathLike | None = None) -> list[dict]:
     names = resolve(only)
     recs = []
     for name in names:
         print(f"[{time.strftime('%H:%M:%S')}] running {name} ...", file=sys.stderr, flush=True)
-        rec = run_one(name, out, quick=quick, timeout=timeout, parameters=parameters)
-        print(f"[{time.strftime('%H:%M:%S')}] {name}: {'ok' if rec['ok'] else 'FAILED'} in {rec['seconds']} s",
-              file=sys.stderr, flush=True)
+        rec = run_one(name, out, quick=quick, timeout=timeout, parameters=parameters, compile_cache=compile_cache)
+        print(f"[{time.strftime('%H:%M:%S')}] {name}: {'ok' if rec['ok'] else 'FAILED'} in {rec['seconds']} s "
+              f"({rec['cpu_seconds']} CPU-s)", file=sys.stderr, flush=True)
         recs.append(rec)
     atomic_write_text(Path(out) / "summary.json", json.dumps(recs, indent=2, default=str) + "\n")
     return recs
@@ -181,7 +240,8 @@ def summary_text(recs: list[dict]) -> str:
     lines = ["amdllm course: results", "=" * 72]
     for rec in recs:
         status = "ok" if rec["ok"] else "FAILED"
-        lines.append(f"{rec['name']:<28} {status:>6}  {rec['seconds']:>7.1f} s")
+        cpu = f"  ({rec['cpu_seconds']:.0f} CPU-s)" if rec.get("cpu_seconds") is not None else ""
+        lines.append(f"{rec['name']:<28} {status:>6}  {rec['seconds']:>7.1f} s{cpu}")
         res = rec.get("results") or {}
         for key, label, fmt in SUMMARY_FIELDS.get(rec["name"], []):
             if key in res:
@@ -189,7 +249,9 @@ def summary_text(recs: list[dict]) -> str:
         if rec["error"]:
             lines.append(f"    error: {rec['error'][:300]}")
     n_ok = sum(r["ok"] for r in recs)
-    lines += ["=" * 72, f"{n_ok}/{len(recs)} notebooks ran and passed their checks"]
+    total = sum(r["seconds"] or 0 for r in recs)
+    lines += ["=" * 72, f"{n_ok}/{len(recs)} notebooks ran and passed their checks in {total / 60:.1f} min "
+                        f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)"]
     return "\n".join(lines)
 
 
@@ -234,6 +296,8 @@ def notebook_paths(paths: list[str] | None = None) -> list[Path]:
 
 def strip(paths: list[str] | None = None, check: bool = False) -> dict[str, list[str]]:
     """Strip (or with check=True only inspect) notebooks; returns {path: problems found}."""
+    import nbformat
+
     found = {}
     for path in notebook_paths(paths):
         nb = nbformat.read(path, as_version=4)
@@ -256,14 +320,19 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--param", action="append", metavar="NAME=VALUE",
                    help="override a notebook parameter (all notebooks), e.g. --param model_dir=/data/llama")
     r.add_argument("--json", action="store_true", help="print summary.json instead of the text summary")
+    r.add_argument("--compile-cache", default=None, metavar="DIR",
+                   help="JAX persistent compilation cache shared by the kernels (default $AMDLLM_HOME/jax-cache; "
+                        "'none' turns it off)")
     s = sub.add_parser("strip", help="remove outputs/execution counts from notebooks (default: all)")
     s.add_argument("paths", nargs="*")
     s.add_argument("--check", action="store_true", help="only report; exit 1 if any is not clean")
     args = p.parse_args(argv)
     if args.cmd == "run":
+        cache = (None if (args.compile_cache or "").lower() == "none"
+                 else args.compile_cache or default_compile_cache())
         try:
             recs = run(args.out, quick=args.quick, only=args.only.split(",") if args.only else None,
-                       timeout=args.timeout, parameters=parse_params(args.param))
+                       timeout=args.timeout, parameters=parse_params(args.param), compile_cache=cache)
         except (ValueError, FileNotFoundError) as e:
             print(f"amdllm.notebooks: error: {e}", file=sys.stderr)
             return 2

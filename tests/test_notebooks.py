@@ -80,10 +80,17 @@ def test_runner_reports_a_failing_notebook(tmp_path, monkeypatch):
     assert "FAILED" in nbrun.summary_text([rec])
 
 
+@pytest.fixture(scope="session")
+def compile_cache(tmp_path_factory):
+    """One JAX compilation cache for the notebooks of this session (as `make course` shares one): the
+    lessons compile the same functions; a fresh directory keeps the run independent of earlier ones."""
+    return tmp_path_factory.mktemp("jax-cache")
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", PRESENT)
-def test_notebook_executes(name, tmp_path):
-    rec = nbrun.run_one(name, tmp_path, quick=True, timeout=600)
+def test_notebook_executes(name, tmp_path, compile_cache):
+    rec = nbrun.run_one(name, tmp_path, quick=True, timeout=600, compile_cache=compile_cache)
     assert rec["ok"], f"{name} failed after {rec['seconds']} s: {rec['error']} (executed copy: {rec['executed']})"
     assert rec["results"], f"{name} recorded no results"
     executed = nbformat.read(rec["executed"], as_version=4)
