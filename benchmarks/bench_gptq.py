@@ -1,8 +1,9 @@
 """GPTQ, amdllm vs GPTQModel: quantize time and perplexity on the embedded default model (+ optional grid).
 
 Both sides quantize the same float32 checkpoint (the course default model) with the same calibration
-windows (--samples windows of --seq-len tokens of the course training corpus, seed 0; the windows are
-written to a .npy file and both sides read exactly those tokens) and the same GPTQ settings: 4-bit,
+windows (--samples windows of --seq-len tokens of the course training corpus, seed 0: `amdllm quantize`
+draws them with the call made here, whose result is written to a .npy file for GPTQModel) and the same
+GPTQ settings: 4-bit,
 group 128, symmetric, true-sequential, damp 0.01, no act-order (GPTQModel's own "act_group_aware"
 reordering, on by default in 7.x, is turned off: amdllm does not implement it), calibration batch 8.
 Each side runs in its own process, one after the other, timed from the parent (wall and CPU seconds of
@@ -72,6 +73,7 @@ def timed_child(cmd: list[str], env: dict | None = None, log: Path | None = None
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
         log.write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
     if proc.returncode != 0:
         raise RuntimeError(f"{cmd[:4]}... exited with {proc.returncode}:\n{proc.stderr[-3000:]}")
