@@ -3,9 +3,9 @@
 Both sides quantize the same float32 checkpoint (the course default model) with the same calibration
 windows (--samples windows of --seq-len tokens of the course training corpus, seed 0: `amdllm quantize`
 draws them with the call made here, whose result is written to a .npy file for GPTQModel) and the same
-GPTQ settings: 4-bit,
-group 128, symmetric, true-sequential, damp 0.01, no act-order (GPTQModel's own "act_group_aware"
-reordering, on by default in 7.x, is turned off: amdllm does not implement it), calibration batch 8.
+GPTQ settings: 4-bit, group 128, symmetric, true-sequential, damp 0.01, no act-order (GPTQModel's own
+"act_group_aware" reordering, on by default in 7.x, is turned off: amdllm does not implement it),
+calibration batch 8.
 Each side runs in its own process, one after the other, timed from the parent (wall and CPU seconds of
 the child) and from inside (load -> calibrate -> quantize -> pack -> save, no imports/start-up).
 amdllm's side is the `amdllm quantize` command a user runs (it also computes its per-layer GPTQ-vs-RTN
