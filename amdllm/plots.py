@@ -30,7 +30,8 @@ def parity_per_layer(diffs: Sequence[float], tol: float | None = None, labels: S
     ax.set_yscale("log")
     if tol is not None:
         ax.axhline(tol, color="red", ls="--", lw=1, label=f"tolerance {tol:g}")
-        ax.legend(loc="upper left")
+        ax.legend(loc="upper right")
+        ax.set_ylim(top=max(tol, diffs.max()) * 30)  # room above the line for the legend
     ax.set_ylabel("max |ours - transformers|")
     ax.set_title(title)
     ax.tick_params(axis="x", rotation=45 if len(diffs) > 6 else 0)
@@ -78,13 +79,13 @@ def _device_grid(ax, shape, sharding, title: str, axis_labels=("dim 0", "dim 1")
         color = COLORS[min(devs) % len(COLORS)]
         ax.add_patch(plt.Rectangle((c0, r0), c1 - c0, r1 - r0, facecolor=color, alpha=0.55, edgecolor="black"))
         ax.text((c0 + c1) / 2, (r0 + r1) / 2, "d" + ",".join(map(str, sorted(devs))),
-                ha="center", va="center", fontsize=8)
+                ha="center", va="center", fontsize=10)
     ax.set_xlim(0, cols)
     ax.set_ylim(rows, 0)
-    ax.set_title(title, fontsize=9)
-    ax.set_xlabel(f"{axis_labels[1]} ({cols})", fontsize=8)
-    ax.set_ylabel(f"{axis_labels[0]} ({rows})", fontsize=8)
-    ax.tick_params(labelsize=7)
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel(f"{axis_labels[1]} ({cols})", fontsize=9)
+    ax.set_ylabel(f"{axis_labels[0]} ({rows})", fontsize=9)
+    ax.tick_params(labelsize=8)
 
 
 def sharding_pictures(arrays: Mapping[str, object], ncols: int = 3, axis_labels=("dim 0", "dim 1")):
@@ -101,6 +102,30 @@ def sharding_pictures(arrays: Mapping[str, object], ncols: int = 3, axis_labels=
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
     return _done(fig)
+
+
+def layer_sharding(cfg, mesh, rules, ncols: int = 4):
+    """The seven projections of one decoder layer ([in, out] each), cut into the blocks each device holds.
+
+    The norms are left out (replicated on every device under every preset; the title says so), so the
+    panels stay large enough to read the device ids."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from amdllm.sharding import param_specs
+
+    arrays = {}
+    for name, (shape, _, spec, _) in param_specs(cfg, mesh, rules).items():
+        if not name.startswith("layers/") or len(shape) != 3:
+            continue
+        spec = tuple(spec) + (None,) * (3 - len(tuple(spec)))   # drop the stacked `layers` axis
+        one = P(*spec[1:])
+        arrays[f"{name.split('/', 1)[1]}  P{tuple(one)}"] = (shape[1:], NamedSharding(mesh, one))
+    fig = sharding_pictures(arrays, ncols=ncols, axis_labels=("in", "out"))
+    desc = ", ".join(f"{a}={n}" for a, n in dict(mesh.shape).items())
+    fig.suptitle(f"one decoder layer on mesh ({desc}), rules '{rules}': labels = devices holding each block "
+                 "(norms: a full copy on every device)", fontsize=10)
+    fig.tight_layout()
+    return fig
 
 
 def quant_grid(weights: np.ndarray, dequantized: np.ndarray, *, bits: int,
@@ -137,8 +162,9 @@ def error_comparison(errors: Mapping[str, Sequence[float]], *, xlabel: str, ylab
 
 
 def grouped_bars(values: Mapping[str, Mapping[str, float]], *, ylabel: str, title: str, fmt: str = "{:.3g}",
-                 logy: bool = False):
-    """{group: {series: value}} as grouped bars with values written on them (e.g. perplexity per method)."""
+                 logy: bool = False, ylim: tuple[float, float] | None = None):
+    """{group: {series: value}} as grouped bars with values written on them (e.g. perplexity per method).
+    ylim fixes the axis, e.g. (0, 1) for accuracies, so that 4% does not fill the plot like 100% would."""
     groups = list(values)
     series = list(dict.fromkeys(s for g in groups for s in values[g]))
     width = 0.8 / max(1, len(series))
@@ -159,6 +185,8 @@ def grouped_bars(values: Mapping[str, Mapping[str, float]], *, ylabel: str, titl
     if len(series) > 1:
         ax.legend(fontsize=8)
     ax.margins(y=0.15)
+    if ylim is not None:
+        ax.set_ylim(*ylim)
     return _done(fig)
 
 

@@ -78,6 +78,7 @@ class MemoryExplorer:
         self.plan_mod = plan_mod
         self.models = {**(extra_models or {}), **PRESETS}  # name -> LlamaConfig
         self.last: dict | None = None
+        self.text, self.figure = "", None  # the latest result, for snapshot()
         self._quiet = False  # set while update() changes several controls: refresh once at the end
         dd = lambda opts, value, desc: W.Dropdown(options=opts, value=value, description=desc,
                                                   style={"description_width": "90px"})
@@ -135,11 +136,20 @@ class MemoryExplorer:
             parts = {"weights": g["weights"], "LoRA": g["lora"], "optimizer": g["optimizer"],
                      "gradients": g["gradients"], "activations" + (" (remat)" if s["remat"] else ""): g[act]}
             total = p["total_gb_remat"] if s["remat"] else p["total_gb"]
-            print(f"{s['model']}: {p['params'] / 1e9:.2f}B parameters, {p['mode']}, mesh "
-                  + ",".join(f"{a}={n}" for a, n in p["mesh"].items() if n > 1) + f", {p['batch_per_device']} "
-                  f"sequence(s) per device; total {total:.1f} GB of {p['device_memory_gb']:g} GB")
-            display(plots.memory_breakdown(parts, capacity_gb=p["device_memory_gb"],
-                                           title=f"{s['accelerator']} x{s['devices']}"))
+            self.text = (f"{s['model']}: {p['params'] / 1e9:.2f}B parameters, {p['mode']}, mesh "
+                         + ",".join(f"{a}={n}" for a, n in p["mesh"].items() if n > 1)
+                         + f", {p['batch_per_device']} sequence(s) per device; total {total:.1f} GB of "
+                         f"{p['device_memory_gb']:g} GB")
+            self.figure = plots.memory_breakdown(parts, capacity_gb=p["device_memory_gb"],
+                                                 title=f"{s['accelerator']} x{s['devices']}")
+            print(self.text)
+            display(self.figure)
+
+    def snapshot(self):
+        """The current result outside the widget: prints the summary line and returns the figure. A saved
+        or rendered notebook (nbconvert, GitHub) keeps no widget output, but it keeps this."""
+        print(self.text if self.last is not None else "cannot plan these settings")
+        return self.figure if self.last is not None else None
 
     def _ipython_display_(self):
         display(self.widget)

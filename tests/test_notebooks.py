@@ -95,3 +95,21 @@ def test_notebook_executes(name, tmp_path, compile_cache):
     assert rec["results"], f"{name} recorded no results"
     executed = nbformat.read(rec["executed"], as_version=4)
     assert any("injected-parameters" in c.metadata.get("tags", []) for c in executed.cells)
+
+
+def test_layer_sharding_figure_and_memory_snapshot():
+    """The figures the lessons show headless: one panel per projection, and the planner's snapshot that a
+    rendered notebook keeps (widget output is not saved); an impossible mesh gives no figure, not a stale one."""
+    from amdllm import plots, sharding
+    from amdllm.course import MODEL
+    from amdllm.config import LlamaConfig
+    from amdllm.widgets import MemoryExplorer
+
+    cfg = LlamaConfig(**MODEL, vocab_size=1152)
+    fig = plots.layer_sharding(cfg, sharding.make_mesh("fsdp=4,tensor=2"), "fsdp_tp")
+    titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
+    assert len(titles) == 7 and titles[0].startswith("q_proj") and "'fsdp', 'tensor'" in titles[0], titles
+    explorer = MemoryExplorer(model="llama-3.1-70b", devices=8, mesh="fsdp=8", seq_len=4096)
+    assert explorer.snapshot() is explorer.figure and "70.55B" in explorer.text
+    explorer.update(mesh="tensor=3")
+    assert explorer.last is None and explorer.snapshot() is None
