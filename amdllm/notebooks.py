@@ -52,14 +52,14 @@ QUICK_PARAMS: dict[str, dict] = {
                                  "quant_method": "rtn"},
 }
 
-# Which recorded results the summary shows, per notebook: (results key, label, format).
+# Which recorded results the summary shows, per notebook: (results key, label, format string or function).
 SUMMARY_FIELDS: dict[str, list[tuple[str, str, str]]] = {
     "00_setup": [("backend", "backend", "{}"), ("devices", "devices", "{}"),
                  ("cpu_fallback_warning", "silent-CPU-fallback warning", "{}")],
     "01_weight_conversion": [("max_abs_logit_diff", "parity max |logit diff| vs transformers", "{:.2e}"),
                              ("greedy_match", "greedy tokens equal to transformers", "{}"),
                              ("roundtrip_max_diff", "save->transformers reload max diff", "{:.2e}")],
-    "02_mesh_sharding": [("mesh", "mesh", "{}"),
+    "02_mesh_sharding": [("mesh", "mesh", lambda m: ",".join(f"{a}={n}" for a, n in m.items() if n > 1)),
                          ("sharded_max_diff", "sharded vs single-device logits", "{:.2e}"),
                          ("llama405b_mfu_at_35tps", "405B @ 35 tok/s on 8x MI300X: MFU", "{:.2%}")],
     "03_lora_finetuning": [("accuracy_before", "task accuracy before LoRA", "{:.1%}"),
@@ -73,7 +73,10 @@ SUMMARY_FIELDS: dict[str, list[tuple[str, str, str]]] = {
                              ("ppl_gptq3", "perplexity GPTQ 3-bit", "{:.4f}"),
                              ("size_fp_mb", "size fp32 (MB)", "{:.2f}"),
                              ("size_gptq4_mb", "size GPTQ 4-bit (MB)", "{:.2f}")],
-    "05_inference_and_serving": [("tokens_per_second", "decode tokens/s (fp / int4 / int4+LoRA)", "{}"),
+    "05_inference_and_serving": [("tokens_per_second", "decode tokens/s",
+                                  lambda t: " | ".join(f"{k} {v:.0f}" for k, v in t.items())),
+                                 ("task_accuracy_int4", "task accuracy int4", "{:.1%}"),
+                                 ("task_accuracy_int4_lora", "task accuracy int4 + LoRA", "{:.1%}"),
                                  ("server_ok", "amdllm serve answered the openai client", "{}")],
 }
 
@@ -229,9 +232,9 @@ def parse_params(items: list[str] | None) -> dict:
     return out
 
 
-def _fmt(value, fmt: str) -> str:
+def _fmt(value, fmt) -> str:
     try:
-        return fmt.format(value)
+        return fmt(value) if callable(fmt) else fmt.format(value)
     except (ValueError, TypeError):
         return str(value)
 
