@@ -157,12 +157,16 @@ def linear(x, w, lora_a=None, lora_b=None, lora_scale=0.0, dropout=0.0, rng=None
     else:
         y = x2 @ w.astype(x.dtype)
     if lora_a is not None:
-        xl = x2
-        if dropout > 0.0 and rng is not None:
-            keep = jax.random.bernoulli(rng, 1.0 - dropout, xl.shape)
-            xl = jnp.where(keep, xl / (1.0 - dropout), 0).astype(x.dtype)
-        y = y + (lora_scale * ((xl @ lora_a.astype(x.dtype)) @ lora_b.astype(x.dtype))).astype(y.dtype)
+        y = y + lora_delta(x2, lora_a, lora_b, lora_scale, dropout, rng).astype(y.dtype)
     return y.reshape(*lead, y.shape[-1])
+
+
+def lora_delta(x2, lora_a, lora_b, lora_scale, dropout=0.0, rng=None):
+    """scale * (dropout(x2) @ A) @ B for 2-D x2 [rows, in]."""
+    if dropout > 0.0 and rng is not None:
+        keep = jax.random.bernoulli(rng, 1.0 - dropout, x2.shape)
+        x2 = jnp.where(keep, x2 / (1.0 - dropout), 0).astype(x2.dtype)
+    return lora_scale * ((x2 @ lora_a.astype(x2.dtype)) @ lora_b.astype(x2.dtype))
 
 
 def _proj(p, name, x, lora_scale, dropout, rng, idx):
@@ -170,12 +174,55 @@ def _proj(p, name, x, lora_scale, dropout, rng, idx):
     return linear(x, p[name], p.get(name + "_lora_a"), p.get(name + "_lora_b"), lora_scale, dropout, r)
 
 
+# Projections that read the same input: fused into one matmul by key (see `fuse_kernels`).
+FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
+FUSE_MIN_ROWS = 64  # below this (decoding), copying the kernels costs more than fewer matmuls save
+
+
+def fuse_kernels(layers: dict, rows: int, dropout: float, dropout_rng) -> dict:
+    """Stacked layer params with q/k/v and gate/up kernels (and their LoRA A's) concatenated along `out`.
+
+    Done at compute time, the stored layout never changes (checkpoints, adapters, GPTQ, sharding rules
+    rely on it). One [D, q+2kv] / [D, 2F] matmul runs closer to XLA:CPU's matmul peak than 2-3 smaller
+    ones; the concat copies the kernels, ~1/rows of the matmul work. GPTQ dict kernels stay separate,
+    and so do the A's under dropout (each projection draws its own mask)."""
+    if rows < FUSE_MIN_ROWS:
+        return layers
+    out = dict(layers)
+    for key, names in FUSED.items():
+        if all(n in out and not isinstance(out[n], dict) for n in names):
+            out[key] = jnp.concatenate([out.pop(n) for n in names], axis=-1)
+            if all(n + "_lora_a" in out for n in names) and not (dropout > 0.0 and dropout_rng is not None):
+                out[key + "_lora_a"] = jnp.concatenate([out.pop(n + "_lora_a") for n in names], axis=-1)
+    return out
+
+
+def _proj_group(p, key, x, sizes, lora_scale, dropout, rng, idx0):
+    """The projections FUSED[key] of the same input x -> list of outputs (one matmul when fused)."""
+    names = FUSED[key]
+    rngs = [None if rng is None else jax.random.fold_in(rng, idx0 + i) for i in range(len(names))]
+    if key not in p:  # separate kernels: GPTQ, decoding, or a mesh
+        return [linear(x, p[n], p.get(n + "_lora_a"), p.get(n + "_lora_b"), lora_scale, dropout, r)
+                for n, r in zip(names, rngs)]
+    x2 = x.reshape(-1, x.shape[-1])
+    ys = jnp.split(x2 @ p[key].astype(x.dtype), [sum(sizes[:i + 1]) for i in range(len(sizes) - 1)], axis=-1)
+    if key + "_lora_a" in p:  # x @ [A_q A_k A_v] once; each rank-r slice through its own B
+        xa = jnp.split(x2 @ p[key + "_lora_a"].astype(x.dtype), len(names), axis=-1)
+        ys = [y + (lora_scale * (a @ p[n + "_lora_b"].astype(x.dtype))).astype(y.dtype)
+              for y, a, n in zip(ys, xa, names)]
+    elif names[0] + "_lora_a" in p:  # LoRA under dropout: the same masks as unfused `linear`
+        ys = [y + lora_delta(x2, p[n + "_lora_a"], p[n + "_lora_b"], lora_scale, dropout, r).astype(y.dtype)
+              for y, n, r in zip(ys, names, rngs)]
+    return [y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys]
+
+
 def attention(q, k, v, mask):
     """q [B,T,H,hd], k/v [B,S,Hkv,hd], mask [B,T,S] bool -> [B,T,H,hd]. Grouped-query: H = Hkv * G."""
     B, T, H, hd = q.shape
     Hkv = k.shape[2]
-    q = q.reshape(B, T, Hkv, H // Hkv, hd)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) / math.sqrt(hd)
+    # scale q, not the [.., T, S] scores: hd/S as many multiplies, forward and backward
+    q = q.reshape(B, T, Hkv, H // Hkv, hd) * jnp.asarray(1 / math.sqrt(hd), q.dtype)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
     scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # float32 softmax
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
@@ -188,9 +235,8 @@ def decoder_layer(cfg, p, x, cos, sin, mask, kv=None, cache_index=None, *, lora_
     B, T, _ = x.shape
     hd, H, Hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     h = rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps)
-    q = _proj(p, "q_proj", h, lora_scale, lora_dropout, rng, 0).reshape(B, T, H, hd)
-    k = _proj(p, "k_proj", h, lora_scale, lora_dropout, rng, 1).reshape(B, T, Hkv, hd)
-    v = _proj(p, "v_proj", h, lora_scale, lora_dropout, rng, 2).reshape(B, T, Hkv, hd)
+    q, k, v = _proj_group(p, "qkv", h, (H * hd, Hkv * hd, Hkv * hd), lora_scale, lora_dropout, rng, 0)
+    q, k, v = q.reshape(B, T, H, hd), k.reshape(B, T, Hkv, hd), v.reshape(B, T, Hkv, hd)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if kv is not None:  # write the new keys/values into the cache, attend over all its slots
         ck, cv = kv
@@ -201,8 +247,8 @@ def decoder_layer(cfg, p, x, cos, sin, mask, kv=None, cache_index=None, *, lora_
     a = attention(q, k, v, mask).reshape(B, T, H * hd)
     x = x + _proj(p, "o_proj", a, lora_scale, lora_dropout, rng, 3)
     h = rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps)
-    g = _proj(p, "gate_proj", h, lora_scale, lora_dropout, rng, 4)
-    u = _proj(p, "up_proj", h, lora_scale, lora_dropout, rng, 5)
+    F = cfg.intermediate_size
+    g, u = _proj_group(p, "gate_up", h, (F, F), lora_scale, lora_dropout, rng, 4)
     x = x + _proj(p, "down_proj", jax.nn.silu(g) * u, lora_scale, lora_dropout, rng, 6)
     return x, kv
 
@@ -251,6 +297,8 @@ def forward(cfg: LlamaConfig, top: dict, layers: dict, tokens, *, positions=None
 
     if remat:
         body = jax.checkpoint(body, prevent_cse=False)
+    if act_sharding is None:  # on a mesh, tensor rules split `out`: a concat there would move data
+        layers = fuse_kernels(layers, B * T, lora_dropout, dropout_rng)
     kvs = None if cache is None else (cache.k, cache.v)
     x, new_kv = jax.lax.scan(body, x, (layers, kvs, jnp.arange(cfg.num_hidden_layers)))
     x = rms_norm(x, top["norm"], cfg.rms_norm_eps)
@@ -264,10 +312,30 @@ def forward(cfg: LlamaConfig, top: dict, layers: dict, tokens, *, positions=None
 
 def cross_entropy(logits, targets, weights):
     """Mean token NLL in float32 over positions where weights > 0. logits [B,T,V], targets/weights [B,T]."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
     w = weights.astype(jnp.float32)
-    return jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
+    return jnp.sum(token_nll(logits, targets) * w) / jnp.maximum(jnp.sum(w), 1.0)
+
+
+@jax.custom_vjp
+def token_nll(logits, targets):
+    """-log softmax(logits)[target] in float32, per position. logits [..., V], targets [...] int."""
+    return _nll_fwd(logits, targets)[0]
+
+
+def _nll_fwd(logits, targets):
+    lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0].astype(jnp.float32)
+    return lse - picked, (logits, lse, targets)
+
+
+def _nll_bwd(res, g):  # softmax - onehot in one pass; autodiff of log_softmax + take_along_axis
+    logits, lse, targets = res  # would store log-probs and scatter into a zeroed [..., V] buffer
+    onehot = jnp.arange(logits.shape[-1]) == targets[..., None]
+    grad = (jnp.exp(logits.astype(jnp.float32) - lse[..., None]) - onehot) * g[..., None]
+    return grad.astype(logits.dtype), None
+
+
+token_nll.defvjp(_nll_fwd, _nll_bwd)
 
 
 def to_pure(model: Llama) -> tuple[dict, dict]:

@@ -32,7 +32,7 @@ from flax import nnx
 from amdllm import data as data_mod
 from amdllm import lora as lora_mod
 from amdllm.io import atomic_write_bytes, atomic_write_text
-from amdllm.model import Llama, LoRAParam, forward
+from amdllm.model import Llama, LoRAParam, forward, token_nll
 
 
 class TrainingError(ValueError):
@@ -88,8 +88,7 @@ def loss_sums(lora, frozen, batch, rng, *, model: Llama):
                         lora_scale=model.lora_scale, lora_dropout=model.lora_dropout,
                         dropout_rng=rng if model.lora_dropout > 0 else None,
                         act_sharding=getattr(model, "act_sharding", None))  # [B, T, V] float32
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]  # [B, T]
+    nll = token_nll(logits, batch["targets"])  # [B, T]; its backward is one pass over [B, T, V]
     w = batch["weights"].astype(jnp.float32)
     return jnp.sum(nll * w), jnp.sum(w)
 
