@@ -52,6 +52,9 @@ def main() -> int:
     ap.add_argument("--only", default=None, help="comma-separated subset of " + ",".join(BENCHES))
     args = ap.parse_args()
     names = args.only.split(",") if args.only else list(BENCHES)
+    unknown = [n for n in names if n not in BENCHES]
+    if unknown:
+        ap.error(f"--only: unknown benchmark(s) {','.join(unknown)}; choose from {','.join(BENCHES)}")
     status = {}
     for name in names:
         script = HERE / BENCHES[name]
@@ -66,6 +69,7 @@ def main() -> int:
         cpu = r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime
         status[name] = {"rc": rc, "seconds": round(time.perf_counter() - t0, 1), "cpu_seconds": round(cpu, 1),
                         "load_average_before_after": [round(load0, 2), round(os.getloadavg()[0], 2)]}
+        print(f"=== {name}: {json.dumps(status[name])}", flush=True)  # survives an interrupted run
     total = sum(s["seconds"] for s in status.values() if isinstance(s, dict))
     status["total"] = {"seconds": round(total, 1), "budget_seconds": BUDGET_S, "within_budget": total <= BUDGET_S,
                        "cpu_count": os.cpu_count()}
