@@ -20,6 +20,7 @@ Results are written to OUT/gpu.json after every phase, so a run cut short still 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -223,6 +224,7 @@ def main():
             traceback.print_exc()
             result[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
         jax.clear_caches()
+        gc.collect()  # the phase's model (16 GB at 8B) must be gone before the next one is built
         save()
     print(json.dumps({k: v for k, v in result.items() if k not in ("machine", "config")}, indent=1))
 
