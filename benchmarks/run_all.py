@@ -25,7 +25,9 @@ BENCHES = {  # name -> script; each takes --out DIR and writes DIR/<name>.json
     "gptq": "bench_gptq.py",
     "serve": "bench_serve.py",
 }
-ARGS = {  # extra arguments under `make bench`
+ARGS = {  # extra arguments under `make bench` (the settings BENCHMARKS.md's figures were taken with)
+    "decode": ["--repeats", "2"],
+    "load": ["--repeats", "2"],
     "gptq": ["--samples", "64"],
 }
 BUDGET_S = 15 * 60
