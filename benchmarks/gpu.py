@@ -184,6 +184,8 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test on a tiny shape")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip later phases past this many seconds")
+    ap.add_argument("--lora-batches", default=None, help="comma-separated batch sizes to try, largest first")
+    ap.add_argument("--phases", default="ceilings,lora_step,decode_bf16,decode_int4")
     args = ap.parse_args()
     from amdllm.config import LlamaConfig, get_preset
     if args.tiny:
@@ -193,6 +195,8 @@ def main():
     else:
         cfg = get_preset("llama-3.1-8b")
         seq, batches, steps, dec_b, new = 2048, [16, 8, 4, 2, 1], 5, [1, 8], 128
+    if args.lora_batches:
+        batches = [int(b) for b in args.lora_batches.split(",")]
     t0 = time.perf_counter()
     lines = []
 
@@ -212,7 +216,12 @@ def main():
               ("lora_step", lambda: lora_step(cfg, seq, batches, steps, result["ceilings"]["matmul_flops"], log)),
               ("decode_bf16", lambda: decode(cfg, False, dec_b, new, result["ceilings"]["copy_bytes_per_s"], log)),
               ("decode_int4", lambda: decode(cfg, True, dec_b, new, result["ceilings"]["copy_bytes_per_s"], log))]
+    import os
+    result["xla_flags"] = os.environ.get("XLA_FLAGS", "")
+    wanted = args.phases.split(",")
     for name, fn in phases:
+        if name not in wanted and name != "ceilings":
+            continue
         if time.perf_counter() - t0 > args.budget_s:
             result[name] = {"skipped": f"time budget of {args.budget_s:.0f} s spent"}
             log(f"{name}: skipped (budget)")
