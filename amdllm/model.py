@@ -210,8 +210,9 @@ def _proj_group(p, key, x, sizes, lora_scale, dropout, rng, idx0):
         xa = jnp.split(x2 @ p[key + "_lora_a"].astype(x.dtype), len(names), axis=-1)
         ys = [y + (lora_scale * (a @ p[n + "_lora_b"].astype(x.dtype))).astype(y.dtype)
               for y, a, n in zip(ys, xa, names)]
-    elif names[0] + "_lora_a" in p:  # LoRA under dropout: the same masks as unfused `linear`
-        ys = [y + lora_delta(x2, p[n + "_lora_a"], p[n + "_lora_b"], lora_scale, dropout, r).astype(y.dtype)
+    else:  # A's left separate (dropout: the same masks as unfused `linear`; or LoRA on only some of them)
+        ys = [y if n + "_lora_a" not in p else
+              y + lora_delta(x2, p[n + "_lora_a"], p[n + "_lora_b"], lora_scale, dropout, r).astype(y.dtype)
               for y, n, r in zip(ys, names, rngs)]
     return [y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys]
 

@@ -156,3 +156,21 @@ def test_bad_settings_are_clear_errors(tmp_path):
     (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({**cfg, "r": 3}))
     with pytest.raises(lora.LoRAError, match=r"q_proj.lora_A.weight has shape \(2, 64\), expected \(3, 64\)"):
         lora.load_adapter(m, tmp_path / "a")
+
+
+@pytest.mark.parametrize("targets", ["q,v,down", "q,k,v,o,gate,up,down"])
+def test_fused_projections_match_peft_with_all_or_some_targets(tmp_path, targets):
+    """>= FUSE_MIN_ROWS rows take model.fuse_kernels' path (q/k/v and gate/up in one matmul each, LoRA A's
+    fused when every projection of a group has one): equal to PEFT whichever projections carry LoRA."""
+    from amdllm.model import FUSE_MIN_ROWS
+    tokens = np.random.default_rng(5).integers(0, HF_CFG["vocab_size"], (2, 40))
+    assert tokens.size >= FUSE_MIN_ROWS
+    hf = hf_model()
+    m = lora.apply_lora(ours_from_hf(hf), rank=4, alpha=8, targets=targets, seed=2)
+    randomize_b(m)
+    ours = np.asarray(m(jnp.asarray(tokens))[0])
+    lora.save_adapter(m, tmp_path / "ad")
+    pm = peft.PeftModel.from_pretrained(hf, str(tmp_path / "ad")).eval()
+    with torch.no_grad():
+        ref = pm(torch.tensor(tokens)).logits.float().numpy()
+    np.testing.assert_allclose(ours, ref, atol=1e-4)
