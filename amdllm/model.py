@@ -180,7 +180,7 @@ FUSE_MIN_ROWS = 64  # below this (decoding), copying the kernels costs more than
 
 
 def fuse_kernels(layers: dict, rows: int, dropout: float, dropout_rng) -> dict:
-    """Stacked layer params with q/k/v and gate/up kernels (and their LoRA A's) concatenated along `out`.
+    """Layer params (one layer, or stacked) with q/k/v and gate/up kernels (and their LoRA A's) joined along `out`.
 
     Done at compute time, the stored layout never changes (checkpoints, adapters, GPTQ, sharding rules
     rely on it). One [D, q+2kv] / [D, 2F] matmul runs closer to XLA:CPU's matmul peak than 2-3 smaller
@@ -288,8 +288,15 @@ def forward(cfg: LlamaConfig, top: dict, layers: dict, tokens, *, positions=None
         slot = jnp.arange(S)[None, None, :]
         mask = (slot <= cache_index + jnp.arange(T)[None, :, None]) & valid[:, None, :]
 
+    # Fuse q/k/v and gate/up per layer inside the loop (one layer's kernels copied at a time), on XLA:CPU
+    # only: there it makes fewer, larger matmuls; accelerators' GEMMs are large already and memory is
+    # what they are short of. On a mesh, tensor rules split `out`: a concat there would move data.
+    fuse = act_sharding is None and jax.default_backend() == "cpu"
+
     def body(x, xs):
         p, kv, idx = xs
+        if fuse:
+            p = fuse_kernels(p, B * T, lora_dropout, dropout_rng)
         rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, idx)
         x = constrain(x, act_sharding)
         x, kv = decoder_layer(cfg, p, x, cos, sin, mask, kv, cache_index, lora_scale=lora_scale,
@@ -298,8 +305,6 @@ def forward(cfg: LlamaConfig, top: dict, layers: dict, tokens, *, positions=None
 
     if remat:
         body = jax.checkpoint(body, prevent_cse=False)
-    if act_sharding is None:  # on a mesh, tensor rules split `out`: a concat there would move data
-        layers = fuse_kernels(layers, B * T, lora_dropout, dropout_rng)
     kvs = None if cache is None else (cache.k, cache.v)
     x, new_kv = jax.lax.scan(body, x, (layers, kvs, jnp.arange(cfg.num_hidden_layers)))
     x = rms_norm(x, top["norm"], cfg.rms_norm_eps)
