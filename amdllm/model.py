@@ -201,7 +201,7 @@ def _proj_group(p, key, x, sizes, lora_scale, dropout, rng, idx0):
     """The projections FUSED[key] of the same input x -> list of outputs (one matmul when fused)."""
     names = FUSED[key]
     rngs = [None if rng is None else jax.random.fold_in(rng, idx0 + i) for i in range(len(names))]
-    if key not in p:  # separate kernels: GPTQ, decoding, or a mesh
+    if key not in p:  # separate kernels: GPTQ, decoding, a mesh, or not on XLA:CPU
         return [linear(x, p[n], p.get(n + "_lora_a"), p.get(n + "_lora_b"), lora_scale, dropout, r)
                 for n, r in zip(names, rngs)]
     x2 = x.reshape(-1, x.shape[-1])
