@@ -2,16 +2,15 @@
 
 Nothing is downloaded. A template grammar over a few hundred words (names, animals, colors, places,
 foods, things, numbers) writes short stories, one per line, in which the same hero, animal and
-colors come back several times. A tiny Llama learns such text well in a couple of CPU minutes
-(perplexity a few units), and learns to *copy* names and colors from earlier in the story: the skill
-the instruction task needs.
+colors come back several times. The default model (course.py) learns this text to a held-out
+perplexity of 1.7, and learns to *copy* a word from earlier in the story: the skill the task needs.
 
 The instruction task asks questions ("Which animal is in this sentence?", "What color is the fox?")
-whose one-word answer appears in the input. A response starts a line, where byte-level BPE spells a
-word without its leading space ("fox", not " fox"): the stories teach those spellings by quoting
-words (`Tom pointed at the fox and said "fox".`), so answering is copying, not learning to spell.
-The corpus never contains a question, so the base model does not know the format (it keeps telling
-stories); a short LoRA run teaches it, since the answer only needs to be found and copied.
+whose one-word answer is the only word of its kind in the input. A response starts a line, where
+byte-level BPE spells a word without its leading space ("fox", not " fox"): the stories teach those
+spellings by quoting words (`Tom pointed at the fox and said "fox".`), so answering is copying, not
+learning to spell. The corpus never contains a question, so the base model does not know the format
+(it keeps telling stories); a short LoRA run teaches it, since the answer only needs to be found and copied.
 
     python -m amdllm.corpus [--out data/]     # rewrite data/ (tests check it reproduces the files)
 """
@@ -125,7 +124,11 @@ def corpus(n_stories: int, seed: int) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
-# The instruction task: every answer is one word that appears in the input.
+# The instruction task: every answer is one word of the input, the only word of its kind there (one
+# color, one place, one number...); the other words are distractors of other kinds. A first version
+# put two entities of the answer's kind in each input ("The red fox met the blue owl." / "What color is
+# the owl?"): that needs the model to bind the color to its animal, and a 3.6M model with a rank-8
+# adapter stays near 40% after minutes of training (BENCHMARKS.md, "The course task").
 # --------------------------------------------------------------------------------------------------
 def _task_animal(rng):
     animal, color, place = rng.choice(list(ANIMALS)), rng.choice(COLORS), rng.choice(PLACES)
@@ -137,48 +140,77 @@ def _task_animal(rng):
 
 def _task_color(rng):
     a1, a2 = rng.sample(list(ANIMALS), 2)
-    c1, c2 = rng.sample(COLORS, 2)
-    place = rng.choice(PLACES)
-    text = rng.choice([f"{_a(c1).capitalize()} {a1} and {_a(c2)} {a2} played in the {place}.",
-                       f"The {c1} {a1} met the {c2} {a2} at the {place}."])
-    asked, answer = rng.choice([(a1, c1), (a2, c2)])
-    return f"What color is the {asked}?", text, answer
+    color, place = rng.choice(COLORS), rng.choice(PLACES)
+    text = rng.choice([f"{_a(color).capitalize()} {a1} and {_a(a2)} played in the {place}.",
+                       f"The {color} {a1} met {_a(rng.choice(ADJECTIVES))} {a2} at the {place}.",
+                       f"{rng.choice(NAMES)} saw {_a(color)} {a1} near the {place}."])
+    return f"What color is the {a1}?", text, color
 
 
 def _task_place(rng):
     n1, n2 = rng.sample(NAMES, 2)
-    p1, p2 = rng.sample(PLACES, 2)
-    text = f"{n1} went to the {p1}. {n2} went to the {p2}."
-    asked, answer = rng.choice([(n1, p1), (n2, p2)])
-    return f"Where did {asked} go?", text, answer
+    place = rng.choice(PLACES)
+    text = rng.choice([f"{n1} went to the {place} with {n2}.", f"{n1} went to the {place}. {n2} stayed home.",
+                       f"One day, {n1} went to the {place} with {_a(rng.choice(list(ANIMALS)))}."])
+    return f"Where did {n1} go?", text, place
 
 
 def _task_count(rng):
     n1, n2 = rng.sample(NAMES, 2)
-    k1, k2 = rng.sample(NUMBERS, 2)
-    thing = rng.choice(list(THINGS))
-    text = f"{n1} had {k1} {THINGS[thing]}. {n2} had {k2} {THINGS[thing]}."
-    asked, answer = rng.choice([(n1, k1), (n2, k2)])
-    return f"How many {THINGS[thing]} did {asked} have?", text, answer
+    number, thing = rng.choice(NUMBERS), rng.choice(list(THINGS))
+    text = rng.choice([f"{n1} had {number} {THINGS[thing]}.",
+                       f"{n1} had {number} {THINGS[thing]} and {n2} had {_a(_pick(rng, list(THINGS), thing))}.",
+                       f"{n1} had {number} {THINGS[thing]} in the {rng.choice(PLACES)}."])
+    return f"How many {THINGS[thing]} did {n1} have?", text, number
 
 
 def _task_name(rng):
     a1, a2 = rng.sample(list(ANIMALS), 2)
-    n1, n2 = rng.sample(NAMES, 2)
-    text = f"There was {_a(a1)} named {n1} and {_a(a2)} named {n2}."
-    asked, answer = rng.choice([(a1, n1), (a2, n2)])
-    return f"What is the name of the {asked}?", text, answer
+    name = rng.choice(NAMES)
+    text = rng.choice([f"There was {_a(a1)} named {name}.", f"There was {_a(a1)} named {name} and {_a(a2)} with no name.",
+                       f"{_a(rng.choice(COLORS)).capitalize()} {a1} named {name} lived in the {rng.choice(PLACES)}."])
+    return f"What is the name of the {a1}?", text, name
 
 
 def _task_food(rng):
     n1, n2 = rng.sample(NAMES, 2)
-    f1, f2 = rng.sample(FOODS, 2)
-    text = f"{n1} liked to eat {f1}. {n2} liked to eat {f2}."
-    asked, answer = rng.choice([(n1, f1), (n2, f2)])
-    return f"What did {asked} like to eat?", text, answer
+    food = rng.choice(FOODS)
+    text = rng.choice([f"{n1} liked to eat {food}.", f"{n1} liked to eat {food} with {n2}.",
+                       f"{n1} and {_a(rng.choice(list(ANIMALS)))} liked to eat {food} in the {rng.choice(PLACES)}."])
+    return f"What did {n1} like to eat?", text, food
 
 
 TASK_KINDS = (_task_animal, _task_color, _task_place, _task_count, _task_name, _task_food)
+
+
+# The first words of each kind's instruction, in TASK_KINDS order.
+TASK_KIND_NAMES = {"Which animal": "animal", "What color": "color", "Where did": "place", "How many": "number",
+                   "What is": "name", "What did": "food"}
+
+
+def task_kind(row: dict) -> str:
+    """The kind of a course task row ("animal", "color", ...), from its instruction's first two words."""
+    return TASK_KIND_NAMES.get(" ".join(row["instruction"].split()[:2]), "other")
+
+
+# In the stories, a quoted word copies a word from earlier in the sentence; per kind, the regex of the
+# text before the quote, with the word to copy as group 1 (see `story`).
+QUOTES = {"animal": r'pointed at the (\w+) and said "', "color": r'looked at the (\w+) \w+ and said "',
+          "place": r'looked at the (\w+) and said "', "number": r'counted (\w+) stars and said "',
+          "name": r'called out to (\w+) and said "', "food": r'found some (\w+) and said "'}
+
+
+def quote_prompts(text: str, per_kind: int = 24) -> dict[str, list[tuple[str, str]]]:
+    """For each kind, up to `per_kind` (story prefix ending at an opening quote, the word to copy) from `text`."""
+    import re
+
+    out = {kind: [] for kind in QUOTES}
+    for line in text.splitlines():
+        for kind, pattern in QUOTES.items():
+            m = re.search(pattern, line)
+            if m and len(out[kind]) < per_kind:
+                out[kind].append((line[:m.end()], m.group(1)))
+    return out
 
 
 def task_rows(n: int, seed: int, exclude: set | None = None) -> list[dict]:

@@ -48,7 +48,7 @@ NOTEBOOKS = ("00_setup", "01_weight_conversion", "02_mesh_sharding", "03_lora_fi
 QUICK_PARAMS: dict[str, dict] = {
     "03_lora_finetuning": {"train_steps": 40, "eval_examples": 24},
     "04_gptq_quantization": {"calib_samples": 8, "eval_tokens": 2048},
-    "05_inference_and_serving": {"max_new_tokens": 16, "lora_steps": 24, "lora_batch_size": 4,
+    "05_inference_and_serving": {"max_new_tokens": 16, "lora_steps": 40, "lora_batch_size": 8,
                                  "quant_method": "rtn"},
 }
 

@@ -391,8 +391,11 @@ def peak_flops(device=None) -> float:
 # Task accuracy and the loss curve
 # --------------------------------------------------------------------------------------------------
 def task_accuracy(model: Llama, tokenizer, rows: list[dict], max_new_tokens: int | None = None,
-                  batch_size: int = 64) -> dict:
-    """Exact match of greedy generations against the 'output' of Alpaca rows (stripped)."""
+                  batch_size: int = 64, group_by=None) -> dict:
+    """Exact match of greedy generations against the 'output' of Alpaca rows (stripped).
+
+    `group_by(row) -> str` (e.g. `corpus.task_kind`) adds "by_group": {group: accuracy}, in first-seen order.
+    """
     from amdllm.generate import generate_ids, tokenizer_eos_ids
     rows = [r for r in rows if "output" in r and "instruction" in r]
     if not rows:
@@ -402,16 +405,21 @@ def task_accuracy(model: Llama, tokenizer, rows: list[dict], max_new_tokens: int
         max_new_tokens = 4 + max(len(tokenizer(r["output"], add_special_tokens=False)["input_ids"]) for r in rows)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     eos = tokenizer_eos_ids(model, tokenizer)
-    hits, examples = 0, []
+    hits, examples, groups = [], [], {}
     for i in range(0, len(rows), batch_size):
         new = generate_ids(model, prompts[i:i + batch_size], max_new_tokens, eos_ids=eos, pad_id=pad,
                            keep_eos=False)
         for r, ids in zip(rows[i:i + batch_size], new):
             text = tokenizer.decode(ids, skip_special_tokens=True).strip()
-            hits += text == r["output"].strip()
+            hits.append(text == r["output"].strip())
             if len(examples) < 3:
                 examples.append({"expected": r["output"], "got": text})
-    return {"task_accuracy": hits / len(rows), "task_examples": len(rows), "samples": examples}
+            if group_by is not None:
+                groups.setdefault(group_by(r), []).append(hits[-1])
+    out = {"task_accuracy": sum(hits) / len(rows), "task_examples": len(rows), "samples": examples}
+    if group_by is not None:
+        out["by_group"] = {g: sum(h) / len(h) for g, h in groups.items()}
+    return out
 
 
 def read_metrics(path) -> list[dict]:
