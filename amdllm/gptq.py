@@ -119,25 +119,29 @@ def fake_quant(w, scale, zero, maxq: int):
 # --------------------------------------------------------------------------------------------------
 # RTN: the same grid, no error feedback
 # --------------------------------------------------------------------------------------------------
+@partial(jax.jit, static_argnames=("maxq", "sym", "G", "scale_dtype"))
+def _rtn_core(W, *, maxq, sym, G, scale_dtype):
+    N, K = W.shape
+    Wg = W.reshape(N, K // G, G).transpose(1, 0, 2)                     # [n_g, N, G]
+    s, z = jax.vmap(lambda w: find_params(w, maxq, sym, scale_dtype))(Wg)  # [n_g, N]
+    g_idx = jnp.arange(K) // G
+    codes = quantize_codes(W, s[g_idx].T, z[g_idx].T, maxq)
+    return s[g_idx].T * (codes - z[g_idx].T), codes, s, z
+
+
 def rtn_quantize(W, spec: QuantSpec, scale_dtype=jnp.float16) -> QuantResult:
     """W [N, K] -> QuantResult with groups of consecutive input columns."""
     W = jnp.asarray(W, jnp.float32)
-    N, K = W.shape
-    G = spec.groups(K)
-    Wg = W.reshape(N, K // G, G).transpose(1, 0, 2)                     # [n_g, N, G]
-    s, z = jax.vmap(lambda w: find_params(w, spec.maxq, spec.sym, scale_dtype))(Wg)  # [n_g, N]
-    g_idx = np.arange(K) // G
-    codes = quantize_codes(W, s[g_idx].T, z[g_idx].T, spec.maxq)
-    Q = s[g_idx].T * (codes - z[g_idx].T)
+    G = spec.groups(W.shape[1])
+    Q, codes, s, z = _rtn_core(W, maxq=spec.maxq, sym=spec.sym, G=G, scale_dtype=jnp.dtype(scale_dtype).name)
     return QuantResult(np.asarray(Q), np.asarray(codes, np.int32), np.asarray(s), np.asarray(z, np.int32),
-                       g_idx.astype(np.int32))
+                       (np.arange(W.shape[1]) // G).astype(np.int32))
 
 
 # --------------------------------------------------------------------------------------------------
 # GPTQ
 # --------------------------------------------------------------------------------------------------
-@partial(jax.jit, static_argnames=("maxq", "sym", "gdyn", "scale_dtype"))
-def _solve_block(W1, U1, col_s, col_z, *, maxq, sym, gdyn, scale_dtype):
+def _solve_block(W1, U1, col_s, col_z, s, z, *, maxq, sym, gdyn, scale_dtype):
     """One block of b columns. W1 [N,b]; U1 [b,b] upper; col_s/col_z [N,b] preset params (unused
     where gdyn>0: then params are recomputed from the *updated* W1 at every gdyn-th column)."""
     N, b = W1.shape
@@ -161,9 +165,8 @@ def _solve_block(W1, U1, col_s, col_z, *, maxq, sym, gdyn, scale_dtype):
         return W1, upd(Q1, q), upd(C1, code), upd(E1, e), upd(S1, s), upd(Z1, z), s, z
 
     zeros = jnp.zeros_like(W1)
-    init = (W1, zeros, zeros, zeros, zeros, zeros, col_s[:, 0], col_z[:, 0])
-    _, Q1, C1, E1, S1, Z1, _, _ = jax.lax.fori_loop(0, b, body, init)
-    return Q1, C1, E1, S1, Z1
+    _, Q1, C1, E1, S1, Z1, s, z = jax.lax.fori_loop(0, b, body, (W1, zeros, zeros, zeros, zeros, zeros, s, z))
+    return Q1, C1, E1, S1, Z1, s, z
 
 
 @jax.jit
@@ -191,6 +194,66 @@ def hessian_inverse(H, percdamp: float, where: str = "layer"):
                     "(too few or degenerate calibration tokens?)")
 
 
+@partial(jax.jit, static_argnames=("maxq", "sym", "G", "B", "act_order", "static_groups", "scale_dtype"))
+def _gptq_core(W, H, p, *, maxq, sym, G, B, act_order, static_groups, scale_dtype):
+    """The whole solve as ONE compiled function per (shape, settings): a Python loop over blocks
+    here would cost an eager dispatch (and a compile per shape) for every slice and update. Returns
+    Q, codes, per-column scale/zero (all [N, K], original column order) and whether the Cholesky
+    factor is finite (the caller raises the dampening and calls again if not)."""
+    N, K = W.shape
+    fp = partial(find_params, maxq=maxq, sym=sym, scale_dtype=scale_dtype)
+    dead = jnp.diag(H) == 0
+    H = H + jnp.diag(jnp.where(dead, 1.0, 0.0))
+    W = jnp.where(dead[None, :], 0.0, W)
+    # preset grids, from the ORIGINAL column order before any update: per row over all K (G=-1), or
+    # static groups; otherwise computed during the solve from the updated weights (see `block`)
+    if G == -1:
+        s0, z0 = fp(W)
+        col_s, col_z = jnp.broadcast_to(s0[:, None], (N, K)), jnp.broadcast_to(z0[:, None], (N, K))
+    elif static_groups:
+        ss, zz = jax.vmap(fp)(W.reshape(N, K // G, G).transpose(1, 0, 2))     # [n_g, N]
+        col_s, col_z = ss[jnp.arange(K) // G].T, zz[jnp.arange(K) // G].T
+    else:
+        col_s = col_z = jnp.ones((N, K), jnp.float32)
+    mode = "preset" if G == -1 or static_groups else ("group" if G % B == 0 else "dyn")
+    perm = jnp.argsort(-jnp.diag(H), stable=True) if act_order else jnp.arange(K)
+    if act_order:
+        W, H, col_s, col_z = W[:, perm], H[perm][:, perm], col_s[:, perm], col_z[:, perm]
+    U = _chol_inv_upper(H, p * jnp.mean(jnp.diag(H)))
+    # pad to whole blocks: zero weights on an identity corner quantize to 0 and feed back nothing
+    Kp = -(-K // B) * B
+    if Kp != K:
+        W = jnp.pad(W, ((0, 0), (0, Kp - K)))
+        U = jnp.pad(U, ((0, Kp - K), (0, Kp - K))) + jnp.diag(jnp.arange(Kp) >= K).astype(U.dtype)
+        col_s, col_z = (jnp.pad(a, ((0, 0), (0, Kp - K)), constant_values=1.0) for a in (col_s, col_z))
+    gdyn = G if mode == "dyn" else 0
+    cols = jnp.arange(Kp)
+
+    def block(carry, i1):
+        W, s, z = carry
+        W1 = jax.lax.dynamic_slice_in_dim(W, i1, B, axis=1)
+        U1 = jax.lax.dynamic_slice(U, (i1, i1), (B, B))
+        cs = jax.lax.dynamic_slice_in_dim(col_s, i1, B, axis=1)
+        cz = jax.lax.dynamic_slice_in_dim(col_z, i1, B, axis=1)
+        if mode == "group":  # groups start at block starts: params from W, which is exact there
+            s, z = jax.lax.cond(i1 % G == 0, lambda: fp(jax.lax.dynamic_slice_in_dim(W, i1, G, axis=1)),
+                                lambda: (s, z))
+            cs, cz = jnp.broadcast_to(s[:, None], (N, B)), jnp.broadcast_to(z[:, None], (N, B))
+        Q1, C1, E1, S1, Z1, s, z = _solve_block(W1, U1, cs, cz, s, z, maxq=maxq, sym=sym, gdyn=gdyn,
+                                                scale_dtype=scale_dtype)
+        # lazy batch update of the columns right of the block: one [N,B] @ [B,Kp] GEMM (the full
+        # width keeps shapes static; U's rows are zero left of the block, the mask drops the block)
+        upd = E1 @ jax.lax.dynamic_slice_in_dim(U, i1, B, axis=0)
+        W = W - jnp.where(cols[None, :] >= i1 + B, upd, 0.0)
+        return (W, s, z), (Q1, C1, S1, Z1)
+
+    ones = jnp.ones((N,), jnp.float32)
+    _, outs = jax.lax.scan(block, (W, ones, ones), jnp.arange(0, Kp, B))
+    inv = jnp.argsort(perm)
+    Q, C, S, Z = (o.transpose(1, 0, 2).reshape(N, Kp)[:, :K][:, inv] for o in outs)  # original order
+    return Q, C, S, Z, jnp.all(jnp.isfinite(U)), inv
+
+
 def gptq_quantize(W, H, spec: QuantSpec, scale_dtype=jnp.float16, where: str = "layer") -> QuantResult:
     """W [N, K] float32, H [K, K] (any positive scale) -> QuantResult. The reference loop (module doc)."""
     W = jnp.asarray(W, jnp.float32)
@@ -199,60 +262,56 @@ def gptq_quantize(W, H, spec: QuantSpec, scale_dtype=jnp.float16, where: str = "
     if H.shape != (K, K):
         raise GPTQError(f"{where}: Hessian shape {H.shape} does not match in_features {K}")
     G = spec.groups(K, where)
-    maxq, sym, B = spec.maxq, spec.sym, spec.blocksize
-    fp = partial(find_params, maxq=maxq, sym=sym, scale_dtype=scale_dtype)
-
-    dead = jnp.diag(H) == 0
-    H = H + jnp.diag(jnp.where(dead, 1.0, 0.0))
-    W = jnp.where(dead[None, :], 0.0, W)
-    base = fp(W) if spec.group_size == -1 else None  # per-row params over all K
-    static = None
-    if spec.static_groups and spec.group_size != -1:  # from the ORIGINAL column order, before updates
-        static = jax.vmap(fp)(W.reshape(N, K // G, G).transpose(1, 0, 2))   # ([n_g, N], [n_g, N])
-    perm = np.argsort(-np.asarray(jnp.diag(H)), kind="stable") if spec.act_order else np.arange(K)
-    W, H = W[:, perm], H[perm][:, perm]
-    U, damp = hessian_inverse(H, spec.percdamp, where)
-
-    outs = {k: [] for k in ("Q", "C", "S", "Z")}
-    cur = base
-    for i1 in range(0, K, B):
-        i2 = min(i1 + B, K)
-        b = i2 - i1
-        gdyn = 0
-        if base is not None:
-            cs, cz = (jnp.broadcast_to(a[:, None], (N, b)) for a in base)
-        elif static is not None:  # column j of the permuted matrix belongs to group perm[j] // G
-            gi = perm[i1:i2] // G
-            cs, cz = static[0][gi].T, static[1][gi].T
-        elif G >= B:  # groups start at block starts: params from W, which is exact there
-            if i1 % G == 0:
-                cur = fp(W[:, i1:i1 + G])
-            cs, cz = (jnp.broadcast_to(a[:, None], (N, b)) for a in cur)
-        else:
-            gdyn = G
-            cs = cz = jnp.ones((N, b), jnp.float32)
-        Q1, C1, E1, S1, Z1 = _solve_block(W[:, i1:i2], U[i1:i2, i1:i2], cs, cz, maxq=maxq, sym=sym,
-                                          gdyn=gdyn, scale_dtype=jnp.dtype(scale_dtype).name)
-        W = W.at[:, i2:].add(-E1 @ U[i1:i2, i2:])   # lazy batch update: [N,b] @ [b,K-i2]
-        for k, v in zip("QCSZ", (Q1, C1, S1, Z1)):
-            outs[k].append(v)
-    Q, C, S, Z = (jnp.concatenate(outs[k], axis=1) for k in "QCSZ")
-    inv = np.argsort(perm)
-    Q, C, S, Z = (np.asarray(a[:, inv]) for a in (Q, C, S, Z))  # back to the original column order
-    if spec.act_order and static is None:
+    if spec.group_size != -1 and G % spec.blocksize and spec.blocksize % G:
+        raise GPTQError(f"{where}: group_size {G} and blocksize {spec.blocksize} must divide one another")
+    kw = dict(maxq=spec.maxq, sym=spec.sym, G=spec.group_size, B=spec.blocksize,
+              act_order=spec.act_order, static_groups=spec.static_groups and spec.group_size != -1,
+              scale_dtype=jnp.dtype(scale_dtype).name)
+    p = spec.percdamp
+    while True:  # raise the dampening by 0.01 while the factorisation fails (GPTQModel)
+        Q, C, S, Z, ok, inv = _gptq_core(W, H, jnp.float32(p), **kw)
+        if bool(ok):
+            break
+        p = round(p + 0.01, 6)
+        if p >= 1.0:
+            raise GPTQError(f"{where}: the Hessian is not positive definite even with percdamp < 1 "
+                            "(too few or degenerate calibration tokens?)")
+    if p != spec.percdamp:
+        warnings.warn(f"{where}: Cholesky failed at percdamp={spec.percdamp}; used {p:.2f}", stacklevel=2)
+    Q, C, S, Z, inv = (np.asarray(a) for a in (Q, C, S, Z, inv))
+    if spec.act_order and not kw["static_groups"]:
         g_idx = (inv // G).astype(np.int32)  # g_idx[k] = (position of column k in perm) // G
     else:
         g_idx = (np.arange(K) // G).astype(np.int32)
     ng = K // G
     scales, zeros = np.zeros((ng, N), np.float32), np.zeros((ng, N), np.int32)
     scales[g_idx], zeros[g_idx] = S.T, Z.T.astype(np.int32)  # every column of a group agrees
-    return QuantResult(Q, C.astype(np.int32), scales, zeros, g_idx, damp)
+    return QuantResult(Q, C.astype(np.int32), scales, zeros, g_idx, p)
+
+
+@jax.jit
+def _recon_err(W, Q, H):
+    d = W - Q
+    return jnp.sum((d @ H) * d)
 
 
 def reconstruction_error(W, Q, H) -> float:
     """||W X - Q X||^2 per token, from H = (1/n) sum x x^T (the raw second moment): tr(dW H dW^T)."""
-    d = jnp.asarray(W, jnp.float32) - jnp.asarray(Q, jnp.float32)
-    return float(jnp.sum((d @ jnp.asarray(H, jnp.float32)) * d))
+    return float(_recon_err(*(jnp.asarray(a, jnp.float32) for a in (W, Q, H))))
+
+
+@partial(jax.jit, static_argnames=("maxq", "sym", "G", "scale_dtype"))
+def _errors_vs_rtn(W, Q, H, *, maxq, sym, G, scale_dtype):
+    return _recon_err(W, Q, H), _recon_err(W, _rtn_core(W, maxq=maxq, sym=sym, G=G, scale_dtype=scale_dtype)[0], H)
+
+
+def errors_vs_rtn(W, Q, H, spec: QuantSpec, scale_dtype=jnp.float16) -> tuple[float, float]:
+    """(reconstruction_error of Q, that of RTN on the same grid), in one compiled call: calibration
+    reports this for every linear, and as separate eager ops it cost a third of the whole run."""
+    W, Q, H = (jnp.asarray(a, jnp.float32) for a in (W, Q, H))
+    e = _errors_vs_rtn(W, Q, H, maxq=spec.maxq, sym=spec.sym, G=spec.groups(W.shape[1]),
+                       scale_dtype=jnp.dtype(scale_dtype).name)
+    return float(e[0]), float(e[1])
 
 
 from amdllm.gptq_calib import (add_cli, calibration_windows, paper_bytes, quantize_model,  # noqa: E402,F401

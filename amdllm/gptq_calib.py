@@ -72,7 +72,7 @@ def quantize_model(model, windows, spec, *, method: str = "gptq", batch_size: in
     windows [n, T] int tokens (ignored for RTN). rows: one dict per (layer, projection) with the
     per-token reconstruction error ||WX-QX||^2 of GPTQ and of RTN on the same inputs (GPTQ only).
     """
-    from amdllm.gptq import GPTQError, gptq_quantize, reconstruction_error, rtn_quantize
+    from amdllm.gptq import GPTQError, errors_vs_rtn, gptq_quantize, rtn_quantize
 
     if method not in ("gptq", "rtn"):
         raise GPTQError(f"method {method!r} is not supported; expected 'gptq' or 'rtn'")
@@ -99,17 +99,30 @@ def quantize_model(model, windows, spec, *, method: str = "gptq", batch_size: in
         bs = min(batch_size, n)
         cos, sin, mask = _rope_mask(cfg, bs, T)
         emb = jnp.asarray(top["embed_tokens"], jnp.float32)
-        inps = [jnp.take(emb, jnp.asarray(windows[i:i + bs]), axis=0) for i in range(0, n, bs)]
+        # the activations as chunks [m, b, T, D] (the full batches stacked, then the remainder), each
+        # chunk one compiled call looping over its batches: one call per batch cost a dispatch each
+        full = n // bs * bs
+        chunks = [jnp.take(emb, jnp.asarray(windows[:full].reshape(n // bs, bs, T)), axis=0)]
+        if n > full:
+            chunks.append(jnp.take(emb, jnp.asarray(windows[full:][None]), axis=0))
+
+        def _consts(xs):
+            b = xs.shape[1]
+            return cos[:b], sin[:b], mask[:b]
 
         @jax.jit
-        def capture(p, x, Hs):  # one batch: layer output and updated sums of x x^T per input
-            c, s, m = cos[:x.shape[0]], sin[:x.shape[0]], mask[:x.shape[0]]
-            out, ins = layer_with_inputs(cfg, p, x, c, s, m)
-            new = {}
-            for k, h in Hs.items():
-                a = ins[k].reshape(-1, ins[k].shape[-1]).astype(jnp.float32)   # [b*T, K]
-                new[k] = h + a.T @ a
-            return out, new
+        def second_moments(p, xs, Hs):  # Hs + sum over the chunk of x x^T, for each input in Hs
+            # only Hs leaves the loop, so tracing drops what those inputs do not need (e.g. the whole
+            # layer but the first norm for q/k/v): true-sequential groups do not pay a full forward each
+            def step(Hs, x):
+                ins = layer_with_inputs(cfg, p, x, *_consts(xs))[1]
+                return {k: h + ins[k].reshape(-1, h.shape[0]).T @ ins[k].reshape(-1, h.shape[0])
+                        for k, h in Hs.items()}, None
+            return jax.lax.scan(step, Hs, xs)[0]
+
+        @jax.jit
+        def forward(p, xs):
+            return jax.lax.map(lambda x: layer_with_inputs(cfg, p, x, *_consts(xs))[0], xs)
 
     bar = tqdm(total=L * 7, desc=f"{method} {spec.bits}-bit", disable=not progress)
     for li in range(L):
@@ -117,8 +130,8 @@ def quantize_model(model, windows, spec, *, method: str = "gptq", batch_size: in
         for grp in (SEQUENTIAL if spec.true_sequential else (M.PROJECTIONS,)):
             if method == "gptq":
                 Hs = {INPUT_OF[g]: jnp.zeros((p[g].shape[0],) * 2, jnp.float32) for g in grp}
-                for x in inps:
-                    _, Hs = capture(p, x, Hs)
+                for xs in chunks:
+                    Hs = second_moments(p, xs, Hs)
                 ntok = n * T
                 Hs = {k: 2.0 * h / ntok for k, h in Hs.items()}   # H = 2/n sum x x^T (scale-free)
             for proj in grp:
@@ -127,18 +140,17 @@ def quantize_model(model, windows, spec, *, method: str = "gptq", batch_size: in
                 if method == "gptq":
                     H = Hs[INPUT_OF[proj]]
                     res = gptq_quantize(W, H, spec, where=where)
-                    if report:
-                        r = rtn_quantize(W, spec)
-                        rows.append({"layer": li, "proj": proj,
-                                     "gptq_err": reconstruction_error(W, res.Q, H / 2),
-                                     "rtn_err": reconstruction_error(W, r.Q, H / 2), "damp": res.damp})
+                    if report:  # H / 2: the raw second moment
+                        e_gptq, e_rtn = errors_vs_rtn(W, res.Q, H / 2, spec)
+                        rows.append({"layer": li, "proj": proj, "gptq_err": e_gptq, "rtn_err": e_rtn,
+                                     "damp": res.damp})
                 else:
                     res = rtn_quantize(W, spec)
                 p[proj] = jnp.asarray(res.Q.T)                     # later groups/layers see quantized
                 packed[proj].append(res)
                 bar.update(1)
         if method == "gptq":  # the quantized layer's outputs are the next layer's inputs
-            inps = [capture(p, x, {})[0] for x in inps]
+            chunks = [forward(p, xs) for xs in chunks]
     bar.close()
     _install(model, packed, spec.bits)
     return model, rows
