@@ -169,41 +169,49 @@ def _solve_block(W1, U1, col_s, col_z, s, z, *, maxq, sym, gdyn, scale_dtype):
     return Q1, C1, E1, S1, Z1, s, z
 
 
-@jax.jit
 def _chol_inv_upper(H, damp):
-    """Upper U with U^T U = (H + damp I)^-1 (cholesky -> cholesky_inverse -> cholesky(upper))."""
-    K = H.shape[0]
-    Hd = H + damp * jnp.eye(K, dtype=H.dtype)
-    L = jnp.linalg.cholesky(Hd)
-    Hinv = jax.scipy.linalg.cho_solve((L, True), jnp.eye(K, dtype=H.dtype))
-    return jnp.linalg.cholesky(Hinv).T
+    """Upper U with U^T U = (H + damp I)^-1, or None if H + damp I is not positive definite:
+    LAPACK potrf -> potri -> potrf(upper) in float32 on the host, the reference's torch sequence
+    (cholesky -> cholesky_inverse -> cholesky(upper)). Not in XLA: its triangular solves took longer
+    to compile (per shape) than the whole factorisation takes here, and a failure is an info code."""
+    from scipy.linalg import lapack
+    Hd = np.array(H, np.float32, copy=True)
+    Hd[np.diag_indices_from(Hd)] += np.float32(damp)
+    L, info = lapack.spotrf(Hd, lower=1)
+    if info != 0:
+        return None
+    Hinv, info = lapack.spotri(L, lower=1)                 # lower triangle of (L L^T)^-1
+    if info != 0:
+        return None
+    Hinv = np.tril(Hinv) + np.tril(Hinv, -1).T
+    U, info = lapack.spotrf(Hinv, lower=0)                 # upper, other triangle zeroed
+    return U if info == 0 and np.all(np.isfinite(U)) else None
 
 
 def hessian_inverse(H, percdamp: float, where: str = "layer"):
     """(U, damp fraction used). Raises dampening by 0.01 while the factorisation fails (GPTQModel)."""
-    mean_diag = float(jnp.mean(jnp.diag(H)))
+    H = np.asarray(H, np.float32)
+    mean_diag = float(np.mean(np.diag(H)))
     p = percdamp
     while p < 1.0:
         U = _chol_inv_upper(H, p * mean_diag)
-        if bool(jnp.all(jnp.isfinite(U))):
+        if U is not None:
             if p != percdamp:
-                warnings.warn(f"{where}: Cholesky failed at percdamp={percdamp}; used {p:.2f}", stacklevel=2)
-            return U, p
+                warnings.warn(f"{where}: Cholesky failed at percdamp={percdamp}; used {p:.2f}", stacklevel=3)
+            return jnp.asarray(U), p
         p = round(p + 0.01, 6)
     raise GPTQError(f"{where}: the Hessian is not positive definite even with percdamp < 1 "
                     "(too few or degenerate calibration tokens?)")
 
 
-@partial(jax.jit, static_argnames=("maxq", "sym", "G", "B", "act_order", "static_groups", "scale_dtype"))
-def _gptq_core(W, H, p, *, maxq, sym, G, B, act_order, static_groups, scale_dtype):
+@partial(jax.jit, static_argnames=("maxq", "sym", "G", "B", "static_groups", "scale_dtype"))
+def _gptq_core(W, U, dead, perm, *, maxq, sym, G, B, static_groups, scale_dtype):
     """The whole solve as ONE compiled function per (shape, settings): a Python loop over blocks
-    here would cost an eager dispatch (and a compile per shape) for every slice and update. Returns
-    Q, codes, per-column scale/zero (all [N, K], original column order) and whether the Cholesky
-    factor is finite (the caller raises the dampening and calls again if not)."""
+    here would cost an eager dispatch (and a compile per shape) for every slice and update.
+    W [N, K] original order; U [K, K] for the permuted columns; dead [K] bool; perm [K] (identity
+    without act-order). Returns Q, codes, per-column scale/zero, all [N, K] in the original order."""
     N, K = W.shape
     fp = partial(find_params, maxq=maxq, sym=sym, scale_dtype=scale_dtype)
-    dead = jnp.diag(H) == 0
-    H = H + jnp.diag(jnp.where(dead, 1.0, 0.0))
     W = jnp.where(dead[None, :], 0.0, W)
     # preset grids, from the ORIGINAL column order before any update: per row over all K (G=-1), or
     # static groups; otherwise computed during the solve from the updated weights (see `block`)
@@ -216,10 +224,7 @@ def _gptq_core(W, H, p, *, maxq, sym, G, B, act_order, static_groups, scale_dtyp
     else:
         col_s = col_z = jnp.ones((N, K), jnp.float32)
     mode = "preset" if G == -1 or static_groups else ("group" if G % B == 0 else "dyn")
-    perm = jnp.argsort(-jnp.diag(H), stable=True) if act_order else jnp.arange(K)
-    if act_order:
-        W, H, col_s, col_z = W[:, perm], H[perm][:, perm], col_s[:, perm], col_z[:, perm]
-    U = _chol_inv_upper(H, p * jnp.mean(jnp.diag(H)))
+    W, col_s, col_z = W[:, perm], col_s[:, perm], col_z[:, perm]
     # pad to whole blocks: zero weights on an identity corner quantize to 0 and feed back nothing
     Kp = -(-K // B) * B
     if Kp != K:
@@ -251,7 +256,7 @@ def _gptq_core(W, H, p, *, maxq, sym, G, B, act_order, static_groups, scale_dtyp
     _, outs = jax.lax.scan(block, (W, ones, ones), jnp.arange(0, Kp, B))
     inv = jnp.argsort(perm)
     Q, C, S, Z = (o.transpose(1, 0, 2).reshape(N, Kp)[:, :K][:, inv] for o in outs)  # original order
-    return Q, C, S, Z, jnp.all(jnp.isfinite(U)), inv
+    return Q, C, S, Z
 
 
 def gptq_quantize(W, H, spec: QuantSpec, scale_dtype=jnp.float16, where: str = "layer") -> QuantResult:
@@ -265,20 +270,14 @@ def gptq_quantize(W, H, spec: QuantSpec, scale_dtype=jnp.float16, where: str = "
     if spec.group_size != -1 and G % spec.blocksize and spec.blocksize % G:
         raise GPTQError(f"{where}: group_size {G} and blocksize {spec.blocksize} must divide one another")
     kw = dict(maxq=spec.maxq, sym=spec.sym, G=spec.group_size, B=spec.blocksize,
-              act_order=spec.act_order, static_groups=spec.static_groups and spec.group_size != -1,
-              scale_dtype=jnp.dtype(scale_dtype).name)
-    p = spec.percdamp
-    while True:  # raise the dampening by 0.01 while the factorisation fails (GPTQModel)
-        Q, C, S, Z, ok, inv = _gptq_core(W, H, jnp.float32(p), **kw)
-        if bool(ok):
-            break
-        p = round(p + 0.01, 6)
-        if p >= 1.0:
-            raise GPTQError(f"{where}: the Hessian is not positive definite even with percdamp < 1 "
-                            "(too few or degenerate calibration tokens?)")
-    if p != spec.percdamp:
-        warnings.warn(f"{where}: Cholesky failed at percdamp={spec.percdamp}; used {p:.2f}", stacklevel=2)
-    Q, C, S, Z, inv = (np.asarray(a) for a in (Q, C, S, Z, inv))
+              static_groups=spec.static_groups and spec.group_size != -1, scale_dtype=jnp.dtype(scale_dtype).name)
+    Hn = np.array(H, np.float32)                    # the factorisation and the order are host work
+    dead = np.diag(Hn) == 0
+    Hn[dead, dead] = 1.0
+    perm = np.argsort(-np.diag(Hn), kind="stable") if spec.act_order else np.arange(K)
+    U, p = hessian_inverse(Hn[perm][:, perm], spec.percdamp, where)
+    Q, C, S, Z = (np.asarray(a) for a in _gptq_core(W, U, jnp.asarray(dead), jnp.asarray(perm), **kw))
+    inv = np.argsort(perm)
     if spec.act_order and not kw["static_groups"]:
         g_idx = (inv // G).astype(np.int32)  # g_idx[k] = (position of column k in perm) // G
     else:
