@@ -387,8 +387,7 @@ def main(argv=None) -> int:
         return 0
     if args.commit:
         target = Path(__file__).resolve().parent.parent / "data" / COMMITTED
-        with _locked(target):
-            report = build_default_model(target)
+        report = build_default_model(target)  # (no lock file: it would land in data/)
     elif args.force:
         target = cached_model_dir(build=False)
         with _locked(target):
