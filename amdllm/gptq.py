@@ -16,11 +16,20 @@ weights the checkpoint will hold. (It also makes results reproducible: with fp32
 row's extreme weight sits exactly on a .5 rounding tie, and XLA:CPU's vectorised division is not
 correctly rounded, so one ulp decides the code and the error feedback spreads the flip.)
 
+Where it runs: the upper Cholesky factor of H^-1 on the host (LAPACK in float32, the reference's
+torch sequence, on ONE OpenBLAS thread: see `_one_blas_thread`; retried with more dampening there),
+everything else in ONE compiled function per weight shape and settings (`_gptq_core`: lax.scan over
+blocks, fori_loop over a block's columns), so a model's layers of identical shapes compile once and
+each linear costs one dispatch.
+
 Packing, the quantized matmul and checkpoint I/O live in `amdllm.quant_format`; calibration through
 the model and the reports in `amdllm.gptq_calib`. The public names are re-exported here.
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import os
 import warnings
 from dataclasses import dataclass
 from functools import partial
@@ -169,6 +178,32 @@ def _solve_block(W1, U1, col_s, col_z, s, z, *, maxq, sym, gdyn, scale_dtype):
     return Q1, C1, E1, S1, Z1, s, z
 
 
+@contextlib.contextmanager
+def _one_blas_thread():
+    """Run the host factorisation on one OpenBLAS thread (numpy's and scipy's bundled copies; the
+    same symbols threadpoolctl uses, which .venv does not have). With the default thread count each
+    call left OpenBLAS threads spinning that took the cores from XLA: `quantize_model` on the course
+    model took 2.4x the CPU time (46.7 vs 19.6 CPU-s). One thread also makes the factor independent
+    of the machine's core count (OpenBLAS's blocking changes the float32 rounding)."""
+    found = []
+    for path in sorted({ln.split()[-1] for ln in open("/proc/self/maps") if "openblas" in ln.lower()}
+                       if os.path.exists("/proc/self/maps") else ()):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for pre, suf in (("", ""), ("", "64_"), ("scipy_", ""), ("scipy_", "64_")):
+            get, set_ = (getattr(lib, f"{pre}openblas_{f}_num_threads{suf}", None) for f in ("get", "set"))
+            if get is not None and set_ is not None:
+                found.append((set_, get()))
+                set_(1)
+    try:
+        yield
+    finally:
+        for set_, n in found:
+            set_(n)
+
+
 def _chol_inv_upper(H, damp):
     """Upper U with U^T U = (H + damp I)^-1, or None if H + damp I is not positive definite:
     LAPACK potrf -> potri -> potrf(upper) in float32 on the host, the reference's torch sequence
@@ -194,7 +229,8 @@ def hessian_inverse(H, percdamp: float, where: str = "layer"):
     mean_diag = float(np.mean(np.diag(H)))
     p = percdamp
     while p < 1.0:
-        U = _chol_inv_upper(H, p * mean_diag)
+        with _one_blas_thread():
+            U = _chol_inv_upper(H, p * mean_diag)
         if U is not None:
             if p != percdamp:
                 warnings.warn(f"{where}: Cholesky failed at percdamp={percdamp}; used {p:.2f}", stacklevel=3)
