@@ -218,3 +218,23 @@ def test_capture_layer_is_the_model_layer():
     h = M.rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps)
     np.testing.assert_allclose(np.asarray(ins["attn_in"]), np.asarray(h), rtol=1e-6)
     assert ins["down_in"].shape == (2, 8, 64) and ins["o_in"].shape == (2, 8, 32)
+
+
+def test_hessian_inverse_device_path_equals_host_lapack():
+    """On an accelerator the factor is computed by XLA (the host LAPACK path, the CPU default, would
+    factor Llama-13B-sized Hessians on one CPU thread): both give U with U^T U = (H + damp I)^-1."""
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((512, 96)).astype(np.float32)
+    H = 2 * X.T @ X / 512
+    U_host, p_host = gptq.hessian_inverse(H, 0.01, on_host=True)
+    U_dev, p_dev = gptq.hessian_inverse(H, 0.01, on_host=False)
+    assert p_host == p_dev == 0.01
+    np.testing.assert_allclose(np.asarray(U_dev), np.asarray(U_host), rtol=2e-3, atol=2e-4)
+    damped = H + 0.01 * np.mean(np.diag(H)) * np.eye(96, dtype=np.float32)
+    U = np.asarray(U_dev, np.float64)
+    np.testing.assert_allclose(U.T @ U @ damped, np.eye(96), atol=2e-3)
+    assert np.allclose(np.tril(U, -1), 0)  # upper triangular
+    # a singular Hessian: the device path retries with more dampening, as the host path does
+    Hs = np.zeros((8, 8), np.float32); Hs[0, 0] = 1.0  # noqa: E702
+    with pytest.raises(GPTQError, match="not positive definite"):
+        gptq.hessian_inverse(Hs - np.eye(8, dtype=np.float32), 0.01, on_host=False)
