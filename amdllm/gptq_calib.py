@@ -12,7 +12,6 @@ import argparse
 import json
 import math
 import time
-from functools import partial
 from pathlib import Path
 
 import jax
@@ -29,38 +28,21 @@ INPUT_OF = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "o_pr
 SEQUENTIAL = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 
 
-# the decoder layer in stages, each adding the activations it makes to a dict `st` (starting from
-# {"x": layer input}); stages 0-3 make the inputs of the true-sequential groups in order, 4 the output
-PRODUCES = (("attn_in",), ("o_in",), ("x1", "mlp_in"), ("down_in",), ("out",))
-
-
-def layer_stage(cfg, i, p, st, cos, sin, mask) -> dict:
-    x = st["x"]
-    B, T, _ = x.shape
-    if i == 0:
-        return {"attn_in": M.rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps)}
-    if i == 1:
-        hd, H, Hkv, h = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, st["attn_in"]
-        q = M.linear(h, p["q_proj"]).reshape(B, T, H, hd)
-        k = M.linear(h, p["k_proj"]).reshape(B, T, Hkv, hd)
-        v = M.linear(h, p["v_proj"]).reshape(B, T, Hkv, hd)
-        q, k = M.apply_rope(q, cos, sin), M.apply_rope(k, cos, sin)
-        return {"o_in": M.attention(q, k, v, mask).reshape(B, T, H * hd)}
-    if i == 2:
-        x1 = x + M.linear(st["o_in"], p["o_proj"])
-        return {"x1": x1, "mlp_in": M.rms_norm(x1, p["post_attention_layernorm"], cfg.rms_norm_eps)}
-    if i == 3:
-        h2 = st["mlp_in"]
-        return {"down_in": jax.nn.silu(M.linear(h2, p["gate_proj"])) * M.linear(h2, p["up_proj"])}
-    return {"out": st["x1"] + M.linear(st["down_in"], p["down_proj"])}
-
-
 def layer_with_inputs(cfg, p, x, cos, sin, mask):
     """model.decoder_layer, also returning each projection's input (tests check it equals the model's)."""
-    st = {"x": x}
-    for i in range(5):
-        st.update(layer_stage(cfg, i, p, st, cos, sin, mask))
-    return st["out"], {k: st[k] for k in ("attn_in", "o_in", "mlp_in", "down_in")}
+    B, T, _ = x.shape
+    hd, H, Hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    h = M.rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps)
+    q = M.linear(h, p["q_proj"]).reshape(B, T, H, hd)
+    k = M.linear(h, p["k_proj"]).reshape(B, T, Hkv, hd)
+    v = M.linear(h, p["v_proj"]).reshape(B, T, Hkv, hd)
+    q, k = M.apply_rope(q, cos, sin), M.apply_rope(k, cos, sin)
+    a = M.attention(q, k, v, mask).reshape(B, T, H * hd)
+    x = x + M.linear(a, p["o_proj"])
+    h2 = M.rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps)
+    mid = jax.nn.silu(M.linear(h2, p["gate_proj"])) * M.linear(h2, p["up_proj"])
+    x = x + M.linear(mid, p["down_proj"])
+    return x, {"attn_in": h, "o_in": a, "mlp_in": h2, "down_in": mid}
 
 
 def calibration_windows(token_ids, samples: int, seq_len: int, seed: int = 0) -> np.ndarray:
@@ -128,32 +110,28 @@ def quantize_model(model, windows, spec, *, method: str = "gptq", batch_size: in
             b = xs.shape[1]
             return cos[:b], sin[:b], mask[:b]
 
-        @partial(jax.jit, static_argnums=0)
-        def run_stages(stages, p, st, Hs):
-            """Stages over a chunk's batches -> (Hs + sum of x x^T for each input in Hs, the new
-            activations [m, b, ...]). Kept activations mean a true-sequential group computes only its
-            own stage, not the layer up to its inputs again."""
-            def step(Hs, s):
-                s, new = dict(s), {}
-                for i in stages:
-                    made = layer_stage(cfg, i, p, s, *_consts(st["x"]))
-                    s.update(made)
-                    new.update(made)
-                return {k: h + s[k].reshape(-1, h.shape[0]).T @ s[k].reshape(-1, h.shape[0])
-                        for k, h in Hs.items()}, new
-            return jax.lax.scan(step, Hs, st)
+        @jax.jit
+        def second_moments(p, xs, Hs):  # Hs + sum over the chunk of x x^T, for each input in Hs
+            # only Hs leaves the loop, so tracing drops what those inputs do not need (e.g. the whole
+            # layer but the first norm for q/k/v): true-sequential groups do not pay a full forward each
+            def step(Hs, x):
+                ins = layer_with_inputs(cfg, p, x, *_consts(xs))[1]
+                return {k: h + ins[k].reshape(-1, h.shape[0]).T @ ins[k].reshape(-1, h.shape[0])
+                        for k, h in Hs.items()}, None
+            return jax.lax.scan(step, Hs, xs)[0]
 
-        states = [{"x": xs} for xs in chunks]
-        seq = spec.true_sequential
+        @jax.jit
+        def forward(p, xs):
+            return jax.lax.map(lambda x: layer_with_inputs(cfg, p, x, *_consts(xs))[0], xs)
+
     bar = tqdm(total=L * 7, desc=f"{method} {spec.bits}-bit", disable=not progress)
     for li in range(L):
         p = {k: jnp.asarray(v[li], jnp.float32) for k, v in layers.items()}
-        for gi, grp in enumerate(SEQUENTIAL if spec.true_sequential else (M.PROJECTIONS,)):
+        for grp in (SEQUENTIAL if spec.true_sequential else (M.PROJECTIONS,)):
             if method == "gptq":
                 Hs = {INPUT_OF[g]: jnp.zeros((p[g].shape[0],) * 2, jnp.float32) for g in grp}
-                for st in states:
-                    Hs, new = run_stages((gi,) if seq else (0, 1, 2, 3), p, st, Hs)
-                    st.update(new)
+                for xs in chunks:
+                    Hs = second_moments(p, xs, Hs)
                 ntok = n * T
                 Hs = {k: 2.0 * h / ntok for k, h in Hs.items()}   # H = 2/n sum x x^T (scale-free)
             for proj in grp:
@@ -172,8 +150,7 @@ def quantize_model(model, windows, spec, *, method: str = "gptq", batch_size: in
                 packed[proj].append(res)
                 bar.update(1)
         if method == "gptq":  # the quantized layer's outputs are the next layer's inputs
-            # (without true-sequential, stages 1-3 ran on the float layer: run them again, quantized)
-            states = [{"x": run_stages((4,) if seq else (1, 2, 3, 4), p, st, {})[1]["out"]} for st in states]
+            chunks = [forward(p, xs) for xs in chunks]
     bar.close()
     _install(model, packed, spec.bits)
     return model, rows
