@@ -16,9 +16,10 @@ weights the checkpoint will hold. (It also makes results reproducible: with fp32
 row's extreme weight sits exactly on a .5 rounding tie, and XLA:CPU's vectorised division is not
 correctly rounded, so one ulp decides the code and the error feedback spreads the flip.)
 
-Where it runs: the upper Cholesky factor of H^-1 on the host (LAPACK in float32, the reference's
-torch sequence, on ONE OpenBLAS thread: see `_one_blas_thread`; retried with more dampening there),
-everything else in ONE compiled function per weight shape and settings (`_gptq_core`: lax.scan over
+Where it runs: the upper Cholesky factor of H^-1 on the host when JAX runs on the CPU (LAPACK in
+float32, the reference's torch sequence, on ONE OpenBLAS thread: see `_one_blas_thread`), by XLA on
+the device otherwise (retried with more dampening either way: `hessian_inverse`); everything else in
+ONE compiled function per weight shape and settings (`_gptq_core`: lax.scan over
 blocks, fori_loop over a block's columns), so a model's layers of identical shapes compile once and
 each linear costs one dispatch.
 
@@ -326,11 +327,11 @@ def gptq_quantize(W, H, spec: QuantSpec, scale_dtype=jnp.float16, where: str = "
         raise GPTQError(f"{where}: group_size {G} and blocksize {spec.blocksize} must divide one another")
     kw = dict(maxq=spec.maxq, sym=spec.sym, G=spec.group_size, B=spec.blocksize,
               static_groups=spec.static_groups and spec.group_size != -1, scale_dtype=jnp.dtype(scale_dtype).name)
-    Hn = np.array(H, np.float32)                    # the factorisation and the order are host work
-    dead = np.diag(Hn) == 0
-    Hn[dead, dead] = 1.0
-    perm = np.argsort(-np.diag(Hn), kind="stable") if spec.act_order else np.arange(K)
-    U, p = hessian_inverse(Hn[perm][:, perm], spec.percdamp, where)
+    diag = np.asarray(jnp.diag(H))                  # only the diagonal decides dead columns and the order
+    dead = diag == 0
+    perm = np.argsort(-np.where(dead, 1.0, diag), kind="stable") if spec.act_order else np.arange(K)
+    H = H + jnp.diag(jnp.asarray(dead, jnp.float32))  # a dead column's zero diagonal becomes 1
+    U, p = hessian_inverse(H[perm][:, perm], spec.percdamp, where)  # H moves to the host only to be factored there
     Q, C, S, Z = (np.asarray(a) for a in _gptq_core(W, U, jnp.asarray(dead), jnp.asarray(perm), **kw))
     inv = np.argsort(perm)
     if spec.act_order and not kw["static_groups"]:
