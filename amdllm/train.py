@@ -228,9 +228,10 @@ RESUME_KEYS = ("steps", "batch_size", "grad_accum", "seq_len", "lr", "warmup", "
 
 
 def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig = TrainConfig(), *,
-             eval_ds: data_mod.Dataset | None = None, tokenizer=None, task_rows=None, mesh=None, rules=None,
-             resume: bool = False, progress: bool = True, base_model_dir=None) -> dict:
+             eval_ds: data_mod.Dataset | None = None, tokenizer=None, task_rows=None, task_group_by=None,
+             mesh=None, rules=None, resume: bool = False, progress: bool = True, base_model_dir=None) -> dict:
     """Train the LoRA factors already attached to `model` (in place); write the adapter to `out_dir`.
+    Evaluations score `task_rows` by exact match (per group too with `task_group_by`, see `task_accuracy`).
 
     Metrics go to OUT/metrics.jsonl (one line per logged step, and one per evaluation), checkpoints to
     OUT/checkpoints/. Returns a summary dict (losses, evals, throughput, paths).
@@ -285,7 +286,7 @@ def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig 
         if eval_ds is not None:
             rec["eval_loss"] = evaluate_loss(model, lora, frozen, eval_ds, tc.batch_size, eval_step, mesh, rules)
         if task_rows and tokenizer is not None:
-            rec.update(task_accuracy(model, tokenizer, task_rows))
+            rec.update(task_accuracy(model, tokenizer, task_rows, group_by=task_group_by))
         evals.append(rec)
         metrics_lines.append(json.dumps(rec))
         write_metrics()
