@@ -10,6 +10,10 @@ STAMP   := $(VENV)/.installed
 PYTEST_WORKERS ?= 2
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
+# glibc malloc asks for transparent huge pages on the large blocks it maps (glibc >= 2.35; ignored elsewhere):
+# XLA:CPU allocates a step's ~1 GB of temporaries afresh every step, and faulting them in 4 KB pages cost
+# ~1 s of kernel time per LoRA step of benchmarks/bench_lora.py (PyTorch gains too). README: "CPU speed".
+export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 
 .PHONY: install test course lab bench model notebooks-clean clean help
 

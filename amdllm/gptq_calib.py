@@ -9,6 +9,7 @@ groups already quantized), and feed the *quantized* layer's outputs to the next 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import time
@@ -37,7 +38,7 @@ def layer_with_inputs(cfg, p, x, cos, sin, mask):
     k = M.linear(h, p["k_proj"]).reshape(B, T, Hkv, hd)
     v = M.linear(h, p["v_proj"]).reshape(B, T, Hkv, hd)
     q, k = M.apply_rope(q, cos, sin), M.apply_rope(k, cos, sin)
-    a = M.attention(q, k, v, mask).reshape(B, T, H * hd)
+    a = M.causal_attention(q, k, v, mask).reshape(B, T, H * hd)  # calibration windows: causal, no cache
     x = x + M.linear(a, p["o_proj"])
     h2 = M.rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps)
     mid = jax.nn.silu(M.linear(h2, p["gate_proj"])) * M.linear(h2, p["up_proj"])
@@ -63,6 +64,31 @@ def _rope_mask(cfg, B, T):
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
     return jnp.cos(emb), jnp.sin(emb), mask
+
+
+@functools.lru_cache(maxsize=4)
+def _calibration_fns(cfg_json: str):
+    """(second_moments, forward), jitted once per model config (a JSON key: the config holds a dict, so it
+    is not hashable) and kept across `quantize_model` calls: notebook 04 quantizes the same model four
+    times, and closures made inside the call were compiled again by every call."""
+    from amdllm.config import LlamaConfig
+    cfg = LlamaConfig.from_dict(json.loads(cfg_json))
+
+    @jax.jit
+    def second_moments(p, xs, Hs, cos, sin, mask):  # Hs + sum over the chunk of x x^T, for each input in Hs
+        # only Hs leaves the loop, so tracing drops what those inputs do not need (e.g. the whole
+        # layer but the first norm for q/k/v): true-sequential groups do not pay a full forward each
+        def step(Hs, x):
+            ins = layer_with_inputs(cfg, p, x, cos, sin, mask)[1]
+            return {k: h + ins[k].reshape(-1, h.shape[0]).T @ ins[k].reshape(-1, h.shape[0])
+                    for k, h in Hs.items()}, None
+        return jax.lax.scan(step, Hs, xs)[0]
+
+    @jax.jit
+    def forward(p, xs, cos, sin, mask):
+        return jax.lax.map(lambda x: layer_with_inputs(cfg, p, x, cos, sin, mask)[0], xs)
+
+    return second_moments, forward
 
 
 def quantize_model(model, windows, spec, *, method: str = "gptq", batch_size: int = 8,
@@ -98,6 +124,7 @@ def quantize_model(model, windows, spec, *, method: str = "gptq", batch_size: in
                             "(twice the largest in_features) for a usable Hessian")
         bs = min(batch_size, n)
         cos, sin, mask = _rope_mask(cfg, bs, T)
+        second_moments, forward = _calibration_fns(json.dumps(cfg.to_dict(), sort_keys=True))
         emb = jnp.asarray(top["embed_tokens"], jnp.float32)
         # the activations as chunks [m, b, T, D] (the full batches stacked, then the remainder), each
         # chunk one compiled call looping over its batches: one call per batch cost a dispatch each
@@ -110,20 +137,6 @@ def quantize_model(model, windows, spec, *, method: str = "gptq", batch_size: in
             b = xs.shape[1]
             return cos[:b], sin[:b], mask[:b]
 
-        @jax.jit
-        def second_moments(p, xs, Hs):  # Hs + sum over the chunk of x x^T, for each input in Hs
-            # only Hs leaves the loop, so tracing drops what those inputs do not need (e.g. the whole
-            # layer but the first norm for q/k/v): true-sequential groups do not pay a full forward each
-            def step(Hs, x):
-                ins = layer_with_inputs(cfg, p, x, *_consts(xs))[1]
-                return {k: h + ins[k].reshape(-1, h.shape[0]).T @ ins[k].reshape(-1, h.shape[0])
-                        for k, h in Hs.items()}, None
-            return jax.lax.scan(step, Hs, xs)[0]
-
-        @jax.jit
-        def forward(p, xs):
-            return jax.lax.map(lambda x: layer_with_inputs(cfg, p, x, *_consts(xs))[0], xs)
-
     bar = tqdm(total=L * 7, desc=f"{method} {spec.bits}-bit", disable=not progress)
     for li in range(L):
         p = {k: jnp.asarray(v[li], jnp.float32) for k, v in layers.items()}
@@ -131,7 +144,7 @@ def quantize_model(model, windows, spec, *, method: str = "gptq", batch_size: in
             if method == "gptq":
                 Hs = {INPUT_OF[g]: jnp.zeros((p[g].shape[0],) * 2, jnp.float32) for g in grp}
                 for xs in chunks:
-                    Hs = second_moments(p, xs, Hs)
+                    Hs = second_moments(p, xs, Hs, *_consts(xs))
                 ntok = n * T
                 Hs = {k: 2.0 * h / ntok for k, h in Hs.items()}   # H = 2/n sum x x^T (scale-free)
             for proj in grp:
@@ -150,7 +163,7 @@ def quantize_model(model, windows, spec, *, method: str = "gptq", batch_size: in
                 packed[proj].append(res)
                 bar.update(1)
         if method == "gptq":  # the quantized layer's outputs are the next layer's inputs
-            chunks = [forward(p, xs) for xs in chunks]
+            chunks = [forward(p, xs, *_consts(xs)) for xs in chunks]
     bar.close()
     _install(model, packed, spec.bits)
     return model, rows

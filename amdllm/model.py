@@ -22,10 +22,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from amdllm.attention import NEG_INF, attention, causal_attention  # noqa: F401 (re-exported)
 from amdllm.config import LlamaConfig
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-NEG_INF = -1e30  # finite, so fully masked (padding) rows give uniform weights, never NaN
 
 
 class LoRAParam(nnx.Param):
@@ -197,37 +197,72 @@ def fuse_kernels(layers: dict, rows: int, dropout: float, dropout_rng) -> dict:
     return out
 
 
-def _proj_group(p, key, x, sizes, lora_scale, dropout, rng, idx0):
-    """The projections FUSED[key] of the same input x -> list of outputs (one matmul when fused)."""
+def _proj_group(p, key, x, sizes, lora_scale, dropout, rng, idx0, joined=False):
+    """The projections FUSED[key] of the same input x -> list of outputs (one matmul when fused).
+
+    joined=True: when the kernels are fused, return the one [..., sum(sizes)] output unsplit (its
+    consumer takes it whole, e.g. `swiglu`); otherwise a list as usual."""
     names = FUSED[key]
     rngs = [None if rng is None else jax.random.fold_in(rng, idx0 + i) for i in range(len(names))]
     if key not in p:  # separate kernels: GPTQ, decoding, a mesh, or not on XLA:CPU
         return [linear(x, p[n], p.get(n + "_lora_a"), p.get(n + "_lora_b"), lora_scale, dropout, r)
                 for n, r in zip(names, rngs)]
     x2 = x.reshape(-1, x.shape[-1])
-    ys = jnp.split(x2 @ p[key].astype(x.dtype), [sum(sizes[:i + 1]) for i in range(len(sizes) - 1)], axis=-1)
+    y = x2 @ p[key].astype(x.dtype)
     if key + "_lora_a" in p:  # x @ [A_q A_k A_v] once; each rank-r slice through its own B
         xa = jnp.split(x2 @ p[key + "_lora_a"].astype(x.dtype), len(names), axis=-1)
-        ys = [y + (lora_scale * (a @ p[n + "_lora_b"].astype(x.dtype))).astype(y.dtype)
-              for y, a, n in zip(ys, xa, names)]
+        delta = jnp.concatenate([a @ p[n + "_lora_b"].astype(x.dtype) for a, n in zip(xa, names)], axis=-1)
+        y = y + (lora_scale * delta).astype(y.dtype)
     else:  # A's left separate (dropout: the same masks as unfused `linear`; or LoRA on only some of them)
-        ys = [y if n + "_lora_a" not in p else
-              y + lora_delta(x2, p[n + "_lora_a"], p[n + "_lora_b"], lora_scale, dropout, r).astype(y.dtype)
-              for y, n, r in zip(ys, names, rngs)]
-    return [y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys]
+        deltas = [None if n + "_lora_a" not in p else
+                  lora_delta(x2, p[n + "_lora_a"], p[n + "_lora_b"], lora_scale, dropout, r).astype(y.dtype)
+                  for n, r in zip(names, rngs)]
+        if any(d is not None for d in deltas):
+            y = y + jnp.concatenate([jnp.zeros((x2.shape[0], size), y.dtype) if d is None else d
+                                     for d, size in zip(deltas, sizes)], axis=-1)
+    y = y.reshape(*x.shape[:-1], y.shape[-1])
+    if joined:
+        return y
+    return jnp.split(y, [sum(sizes[:i + 1]) for i in range(len(sizes) - 1)], axis=-1)
 
 
-def attention(q, k, v, mask):
-    """q [B,T,H,hd], k/v [B,S,Hkv,hd], mask [B,T,S] bool -> [B,T,H,hd]. Grouped-query: H = Hkv * G."""
-    B, T, H, hd = q.shape
-    Hkv = k.shape[2]
-    # scale q, not the [.., T, S] scores: hd/S as many multiplies, forward and backward
-    q = q.reshape(B, T, Hkv, H // Hkv, hd) * jnp.asarray(1 / math.sqrt(hd), q.dtype)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # float32 softmax
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(B, T, H, hd)
+def _swiglu_grads(g, u, dh):
+    g, u, dh = g.astype(jnp.float32), u.astype(jnp.float32), dh.astype(jnp.float32)
+    sig = jax.nn.sigmoid(g)
+    return dh * u * sig * (1 + g * (1 - sig)), dh * g * sig  # d silu(g)/dg = sig * (1 + g * (1 - sig))
+
+
+@jax.custom_vjp
+def swiglu(gu):
+    """silu(gate) * up for gu = [..., 2F], gate then up (the fused gate_up output) -> [..., F].
+
+    A hand-written backward: it saves only its input (autodiff also saves sigmoid(gate), silu(gate)
+    and more, which `lax.scan` stacks per layer) and writes d(gu) in one pass, in the fused layout the
+    gate_up matmul's backward reads (no concat of separate d(gate), d(up)). `swiglu2`: same, for
+    separate gate and up (unfused kernels)."""
+    g, u = jnp.split(gu, 2, axis=-1)
+    return jax.nn.silu(g) * u
+
+
+def _swiglu_bwd(gu, dh):
+    return (jnp.concatenate(_swiglu_grads(*jnp.split(gu, 2, axis=-1), dh), axis=-1).astype(gu.dtype),)
+
+
+swiglu.defvjp(lambda gu: (swiglu(gu), gu), _swiglu_bwd)
+
+
+@jax.custom_vjp
+def swiglu2(g, u):
+    return jax.nn.silu(g) * u
+
+
+def _swiglu2_bwd(res, dh):
+    g, u = res
+    dg, du = _swiglu_grads(g, u, dh)
+    return dg.astype(g.dtype), du.astype(u.dtype)
+
+
+swiglu2.defvjp(lambda g, u: (swiglu2(g, u), (g, u)), _swiglu2_bwd)
 
 
 def decoder_layer(cfg, p, x, cos, sin, mask, kv=None, cache_index=None, *, lora_scale=0.0,
@@ -245,12 +280,14 @@ def decoder_layer(cfg, p, x, cos, sin, mask, kv=None, cache_index=None, *, lora_
         v = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, cache_index, 0, 0))
         kv = (k, v)
         k, v = k.astype(x.dtype), v.astype(x.dtype)
-    a = attention(q, k, v, mask).reshape(B, T, H * hd)
+    # no cache: query t sees keys s <= t only, so the blocks above the diagonal are skipped
+    a = (attention(q, k, v, mask) if kv is not None else causal_attention(q, k, v, mask)).reshape(B, T, H * hd)
     x = x + _proj(p, "o_proj", a, lora_scale, lora_dropout, rng, 3)
     h = rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps)
     F = cfg.intermediate_size
-    g, u = _proj_group(p, "gate_up", h, (F, F), lora_scale, lora_dropout, rng, 4)
-    x = x + _proj(p, "down_proj", jax.nn.silu(g) * u, lora_scale, lora_dropout, rng, 6)
+    gu = _proj_group(p, "gate_up", h, (F, F), lora_scale, lora_dropout, rng, 4, joined=True)
+    act = swiglu(gu) if not isinstance(gu, list) else swiglu2(*gu)
+    x = x + _proj(p, "down_proj", act, lora_scale, lora_dropout, rng, 6)
     return x, kv
 
 

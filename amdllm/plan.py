@@ -13,10 +13,11 @@ Memory per device, by part (GB = 1e9 bytes, as accelerator vendors count):
   * activations what the backward pass needs, per token on this device (batch is split over the
                 rules' batch axes, heads/MLP over tensor). With b = bytes of the compute dtype,
                 S = sequence length, H = heads, q = H*hd, kv = Hkv*hd, F = MLP width, per layer:
-                    b * (4D + 3q + 3kv + 4F)  +  H * S * (8 + b)
-                (x, two norm outputs, residual; q, k, v and roped q, k, attention output; gate, up,
-                silu(gate), silu(gate)*up; float32 scores and softmax output, probabilities in the
-                compute dtype), times L layers. With remat (jax.checkpoint per layer) only each
+                    b * (4D + 3q + 3kv + 3F)  +  8H
+                (x, two norm outputs, residual; q, k, v and roped q, k, attention output; gate, up
+                and silu(gate)*up (`model.swiglu` recomputes the sigmoid); each attention row's float32
+                max and normaliser: `attention.causal_attention` recomputes the probabilities in the
+                backward instead of keeping H*S of them per token), times L layers. With remat (jax.checkpoint per layer) only each
                 layer's input b*D is kept, plus one layer recomputed at a time. The head adds float32
                 logits and log-probabilities: 8V.
                 Inference (no gradient) holds one layer at a time: float32 scores 4*H*S, the layer's
@@ -136,7 +137,7 @@ def activation_bytes(cfg, *, batch_per_device: float, seq_len: int, tensor: int 
     b, D, F, L = _bytes(dtype), cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
     q, kv, H, V = cfg.q_dim / tensor, cfg.kv_dim / tensor, cfg.num_attention_heads / tensor, cfg.vocab_size
     tokens = batch_per_device * seq_len
-    layer = b * (4 * D + 3 * q + 3 * kv + 4 * F) + H * seq_len * (8 + b)  # per token
+    layer = b * (4 * D + 3 * q + 3 * kv + 3 * F) + 8 * H  # per token
     head = 8 * V / tensor  # float32 logits + log-softmax
     if not training:  # one layer live at a time, nothing kept for a backward pass
         return int(tokens * (4 * H * seq_len + b * (D + q + 2 * kv + F) + 4 * V / tensor))

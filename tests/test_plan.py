@@ -36,8 +36,8 @@ def test_seed_arithmetic_405b():
     lora_side = (p["per_device_bytes"]["lora"] + p["per_device_bytes"]["optimizer"]
                  + p["per_device_bytes"]["gradients"])
     assert lora_side < 1e9  # per device, AdamW included: so "LoRA + optimizer ~ 400 GB" (~50 GB per
-    # device) must be activations and temporaries; activations here are ~12 GB per device without remat
-    assert 10e9 < p["per_device_bytes"]["activations"] < 14e9
+    # device) must be activations and temporaries; activations here are ~9 GB per device without remat
+    assert 8e9 < p["per_device_bytes"]["activations"] < 10e9
     assert p["fits"] and p["fits_remat"]
     assert abs(p["mfu"]["six_n"] - 0.0081) < 0.0003  # the seed's ~0.8% counts 6N
     assert 0.0050 < p["mfu"]["lora_train"] < 0.0058  # honest LoRA count: ~4N -> ~0.54%
