@@ -88,7 +88,13 @@ def _calibration_fns(cfg_json: str):
     def forward(p, xs, cos, sin, mask):
         return jax.lax.map(lambda x: layer_with_inputs(cfg, p, x, cos, sin, mask)[0], xs)
 
-    return second_moments, forward
+    @jax.jit
+    def layer_params(layers, li):  # layer li of the stacked params, float32 (one compile, not one per slice)
+        return {k: jax.lax.dynamic_index_in_dim(v, li, keepdims=False).astype(jnp.float32)
+                for k, v in layers.items()}
+
+    rope_mask = jax.jit(functools.partial(_rope_mask, cfg), static_argnums=(0, 1))
+    return second_moments, forward, layer_params, rope_mask
 
 
 def quantize_model(model, windows, spec, *, method: str = "gptq", batch_size: int = 8,
@@ -112,6 +118,7 @@ def quantize_model(model, windows, spec, *, method: str = "gptq", batch_size: in
     L = cfg.num_hidden_layers
     packed = {proj: [] for proj in M.PROJECTIONS}
     rows = []
+    second_moments, forward, layer_params, rope_mask = _calibration_fns(json.dumps(cfg.to_dict(), sort_keys=True))
     if method == "gptq":
         windows = np.asarray(windows, np.int32)
         n, T = windows.shape
@@ -123,8 +130,7 @@ def quantize_model(model, windows, spec, *, method: str = "gptq", batch_size: in
             raise GPTQError(f"too few calibration tokens: {n} x {T} = {n * T}; need at least {min_tokens} "
                             "(twice the largest in_features) for a usable Hessian")
         bs = min(batch_size, n)
-        cos, sin, mask = _rope_mask(cfg, bs, T)
-        second_moments, forward = _calibration_fns(json.dumps(cfg.to_dict(), sort_keys=True))
+        cos, sin, mask = rope_mask(bs, T)
         emb = jnp.asarray(top["embed_tokens"], jnp.float32)
         # the activations as chunks [m, b, T, D] (the full batches stacked, then the remainder), each
         # chunk one compiled call looping over its batches: one call per batch cost a dispatch each
@@ -139,10 +145,10 @@ def quantize_model(model, windows, spec, *, method: str = "gptq", batch_size: in
 
     bar = tqdm(total=L * 7, desc=f"{method} {spec.bits}-bit", disable=not progress)
     for li in range(L):
-        p = {k: jnp.asarray(v[li], jnp.float32) for k, v in layers.items()}
+        p = layer_params(layers, li)
         for grp in (SEQUENTIAL if spec.true_sequential else (M.PROJECTIONS,)):
             if method == "gptq":
-                Hs = {INPUT_OF[g]: jnp.zeros((p[g].shape[0],) * 2, jnp.float32) for g in grp}
+                Hs = {INPUT_OF[g]: np.zeros((p[g].shape[0],) * 2, np.float32) for g in grp}
                 for xs in chunks:
                     Hs = second_moments(p, xs, Hs, *_consts(xs))
                 ntok = n * T
@@ -225,13 +231,15 @@ def _load_model(model_dir):
 
 
 def _tokenize(model_dir, text):
-    try:
-        from amdllm.tokenizer import load_tokenizer
-        tok = load_tokenizer(model_dir)
-    except ImportError:
-        from transformers import PreTrainedTokenizerFast
-        tok = PreTrainedTokenizerFast(tokenizer_file=str(Path(model_dir) / "tokenizer.json"))
-    return np.asarray(tok(text)["input_ids"], np.int32)
+    """Token ids of `text` by the checkpoint's tokenizer.json, read by `tokenizers` itself: the ids are
+    all calibration needs, and importing transformers for them cost ~5 s of the command's start.
+    Same ids as `amdllm.tokenizer.load_tokenizer(model_dir)(text)` (tests/test_gptq.py checks it)."""
+    from tokenizers import Tokenizer
+    f = Path(model_dir) / "tokenizer.json"
+    if not f.is_file():
+        from amdllm.tokenizer import load_tokenizer  # raises a TokenizerError naming what is missing
+        load_tokenizer(model_dir)
+    return np.asarray(Tokenizer.from_file(str(f)).encode(text).ids, np.int32)
 
 
 def _default_model_dir():

@@ -81,16 +81,21 @@ def pack_cols(codes, bits: int) -> np.ndarray:
 
 
 def unpack_rows(packed, bits: int):
-    """int32 [K/p, N] -> int32 codes [K, N] (jnp; arithmetic shifts are fine because we mask)."""
+    """int32 [K/p, N] -> int32 codes [K, N] (arithmetic shifts are fine because we mask).
+
+    numpy in, numpy out (saving, converting: eager jnp would compile a kernel per shape); otherwise jnp
+    (inside the jitted dequantization)."""
+    xp = np if isinstance(packed, np.ndarray) else jnp
     p = 32 // bits
-    shifts = (jnp.arange(p, dtype=jnp.int32) * bits)[None, :, None]
-    c = jnp.right_shift(jnp.asarray(packed)[:, None, :], shifts) & (2 ** bits - 1)  # [K/p, p, N]
+    shifts = (xp.arange(p, dtype=xp.int32) * bits)[None, :, None]
+    c = xp.right_shift(xp.asarray(packed)[:, None, :], shifts) & (2 ** bits - 1)  # [K/p, p, N]
     return c.reshape(-1, c.shape[-1])
 
 
 def unpack_cols(packed, bits: int):
     """int32 [G, N/p] -> codes [G, N]."""
-    return unpack_rows(jnp.asarray(packed).T, bits).T
+    xp = np if isinstance(packed, np.ndarray) else jnp
+    return unpack_rows(xp.asarray(packed).T, bits).T
 
 
 def infer_bits(qweight_rows: int, in_features: int, where: str = "qweight") -> int:
@@ -183,7 +188,7 @@ def read_quant_config(path: Path) -> dict:
 # Save
 # --------------------------------------------------------------------------------------------------
 def _zeros_v1_to_v2(qzeros, bits, inverse=False):
-    z = np.asarray(unpack_cols(qzeros, bits))
+    z = unpack_cols(np.asarray(qzeros), bits)
     z = (z - 1 if inverse else z + 1) & (2 ** bits - 1)  # nibble-wise, no carry into the neighbour
     return pack_cols(z, bits)
 
@@ -261,7 +266,7 @@ def _load_quant_proj(t, name, K, N, qc, path):
     qz = _get(t, name + ".qzeros", (ng, N // p), path).astype(np.int32)
     sc = _get(t, name + ".scales", (ng, N), path).astype(np.float16)
     if qc["format"] == "gptq":
-        z = np.asarray(unpack_cols(qz, bits))
+        z = unpack_cols(np.asarray(qz), bits)
         if qc["sym"] and np.all(z == 2 ** (bits - 1)):  # v2 zeros labelled "gptq" (vLLM PR #38966)
             warnings.warn(f"{path}: {name}.qzeros hold symmetric v2 zeros ({2 ** (bits - 1)}) but the "
                           "checkpoint says 'gptq' (v1, which stores zero-1); reading them as v2", stacklevel=3)

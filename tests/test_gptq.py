@@ -238,3 +238,16 @@ def test_hessian_inverse_device_path_equals_host_lapack():
     Hs = np.zeros((8, 8), np.float32); Hs[0, 0] = 1.0  # noqa: E702
     with pytest.raises(GPTQError, match="not positive definite"):
         gptq.hessian_inverse(Hs - np.eye(8, dtype=np.float32), 0.01, on_host=False)
+
+
+def test_calibration_tokenizer_matches_transformers():
+    """`amdllm quantize` reads tokenizer.json with `tokenizers` (no transformers import): same ids, BOS included."""
+    from pathlib import Path
+
+    from amdllm.gptq_calib import _tokenize
+    from amdllm.tokenizer import load_tokenizer
+    d = Path(__file__).resolve().parents[1] / "data"
+    text = (d / "corpus_heldout.txt").read_text()[:20000]
+    want = np.asarray(load_tokenizer(d / "tokenizer")(text)["input_ids"])
+    got = _tokenize(d / "tokenizer", text)
+    assert got.shape == want.shape and (got == want).all()
