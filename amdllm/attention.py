@@ -6,8 +6,8 @@ Two functions with the same contract, q [B,T,H,hd], k/v [B,S,Hkv,hd], mask [B,T,
     Used with a KV cache (decoding), where query t sees cache slots the mask says are written.
   * `causal_attention`: the same numbers when query t can only see keys s <= t (S == T: training,
     evaluation, a prefill without cache), computed in query blocks that skip the key blocks above the
-    diagonal (10 of 16 score blocks at 4 blocks: 62% of the work) and with a hand-written backward
-    (flash-attention style): the forward saves only each row's max and normaliser, [B, H, T], and the
+    diagonal (by default 4 query blocks: 10 of 16 score blocks, 62% of the work) and with a hand-written
+    backward (flash-attention style): the forward saves only each row's max and normaliser, [B, H, T], and the
     backward recomputes the probabilities from q and k. Autodiff of the textbook version saves the
     float32 probabilities, [B, H, T, S] per layer, which `lax.scan` over layers stacks (zero-filled
     and copied in and out every step); on a 2-core CPU that bookkeeping cost more than recomputing.
@@ -51,9 +51,14 @@ def query_blocks(T: int, block: int) -> list[tuple[int, int]]:
     return [(i, i + block) for i in range(0, T, block)]
 
 
-def causal_attention(q, k, v, mask, block: int = 64):
-    """`attention` for a causal mask (S == T), by query blocks with a recomputing backward (module doc)."""
+def causal_attention(q, k, v, mask, block: int | None = None):
+    """`attention` for a causal mask (S == T), by query blocks with a recomputing backward (module doc).
+
+    block: query rows per block; default T/4 (at least 64): 10 of 16 score blocks computed, and at most
+    10 block pairs in the program whatever the sequence length (compile time stays flat)."""
     B, T, H, hd = q.shape
+    if block is None:
+        block = max(64, -(-T // 4))
     assert k.shape[1] == T, f"causal_attention needs S == T (no cache), got k {k.shape} for q {q.shape}"
     Hkv = k.shape[2]
     qg = q.reshape(B, T, Hkv, H // Hkv, hd) * jnp.asarray(1 / math.sqrt(hd), q.dtype)
