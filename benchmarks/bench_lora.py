@@ -1,9 +1,10 @@
 """LoRA training step: amdllm (one jitted JAX step) vs transformers + peft (PyTorch eager), same run.
 
 Same model shape (random weights), batch, sequence length, LoRA rank/alpha/targets, AdamW, float32,
-same machine, same process, steps alternating (amdllm, PEFT, amdllm, ...: never competing for cores,
-and a load change on a shared machine hits both). Reports tokens/s (token positions processed per
-second), MFU, the ratio of medians and the ratio per round.
+same machine, same process, in rounds: two steps of amdllm, then two of PEFT, and so on (never
+competing for cores, and a load change on a shared machine hits both); the second step of each pair is
+timed (see `run_alternating`). Reports tokens/s (token positions processed per second), MFU, the ratio
+of medians and the ratio per round.
 
 MFU = tokens/s * FLOPs/token / peak. FLOPs/token is the planner's LoRA count (amdllm.plan):
 4N + 12*L*S*q + 6*L*r*sum(in+out), N = matmul parameters (lm_head included): forward 2N plus
@@ -11,7 +12,8 @@ activation gradients 2N, NO frozen weight gradients. Peak: the planner's table o
 CPU the measured float32 matmul rate of this machine (best of 5 1024^3 matmuls).
 
     python benchmarks/bench_lora.py            # the 31M shape of reference/cpu_performance_notes.md
-    python benchmarks/bench_lora.py --json --steps 5 --hidden 256 --layers 4 --vocab 4096   # quicker
+    python benchmarks/bench_lora.py --json --steps 3 --hidden 256 --layers 4 --vocab 4096   # quicker
+    GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python benchmarks/bench_lora.py   # as `make bench` runs it
 """
 from __future__ import annotations
 
