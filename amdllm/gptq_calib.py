@@ -68,7 +68,7 @@ def _rope_mask(cfg, B, T):
 
 @functools.lru_cache(maxsize=4)
 def _calibration_fns(cfg_json: str):
-    """(second_moments, forward), jitted once per model config (a JSON key: the config holds a dict, so it
+    """(second_moments, forward, layer_params, rope_mask), jitted once per model config (a JSON key: the config holds a dict, so it
     is not hashable) and kept across `quantize_model` calls: notebook 04 quantizes the same model four
     times, and closures made inside the call were compiled again by every call."""
     from amdllm.config import LlamaConfig

@@ -237,9 +237,8 @@ def swiglu(gu):
     """silu(gate) * up for gu = [..., 2F], gate then up (the fused gate_up output) -> [..., F].
 
     A hand-written backward: it saves only its input (autodiff also saves sigmoid(gate), silu(gate)
-    and more, which `lax.scan` stacks per layer) and writes d(gu) in one pass, in the fused layout the
-    gate_up matmul's backward reads (no concat of separate d(gate), d(up)). `swiglu2`: same, for
-    separate gate and up (unfused kernels)."""
+    and more, which `lax.scan` stacks per layer) and returns d(gu) in the fused layout the gate_up
+    matmul's backward reads. `swiglu2`: the same for separate gate and up (unfused kernels)."""
     g, u = jnp.split(gu, 2, axis=-1)
     return jax.nn.silu(g) * u
 
