@@ -312,6 +312,7 @@ def quoted_word_accuracy(model, tokenizer, text: str | None = None, per_kind: in
     """
     from amdllm import corpus
     from amdllm.generate import generate_ids
+    from amdllm.tokenizer import pad_id
 
     text = heldout_text_path().read_text() if text is None else text
     out = {}
@@ -319,7 +320,7 @@ def quoted_word_accuracy(model, tokenizer, text: str | None = None, per_kind: in
         if not pairs:
             continue
         new = generate_ids(model, [tokenizer(p)["input_ids"] for p, _ in pairs], 1, eos_ids=(),
-                           pad_id=tokenizer.pad_token_id or 0)
+                           pad_id=pad_id(tokenizer))
         out[kind] = sum(tokenizer.decode(ids).strip() == word for ids, (_, word) in zip(new, pairs)) / len(pairs)
     return out
 

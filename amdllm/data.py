@@ -243,8 +243,8 @@ def load_dataset(path, tokenizer, seq_len: int, *, pack: bool = True, too_long: 
     for n, row in rows:
         where = f"{path}:{n}"
         examples.append(encode_row(row, tokenizer, row_shape(row, where), where))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    ds = build_dataset(examples, seq_len, pack=pack, too_long=too_long, pad_id=pad)
+    from amdllm.tokenizer import pad_id
+    ds = build_dataset(examples, seq_len, pack=pack, too_long=too_long, pad_id=pad_id(tokenizer))
     ds.rows = [row for _, row in rows]
     return ds
 

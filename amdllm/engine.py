@@ -34,6 +34,7 @@ import numpy as np
 
 from amdllm.generate import sample_token
 from amdllm.model import KVCache, forward, init_cache, to_pure
+from amdllm.tokenizer import pad_id as tokenizer_pad_id
 
 log = logging.getLogger("amdllm.engine")
 MIN_PREFILL_BUCKET = 16
@@ -113,7 +114,7 @@ class Engine:
         if eos_ids is None:
             eos_ids = set(cfg.eos_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         self.eos = frozenset(int(e) for e in eos_ids)
-        self.pad = int(pad_id if pad_id is not None else (tokenizer.pad_token_id or 0))
+        self.pad = int(pad_id) if pad_id is not None else tokenizer_pad_id(tokenizer)
         self.top, self.layers = to_pure(model)
         self.dtype = model.dtype
         self._build(model)

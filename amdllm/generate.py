@@ -237,9 +237,9 @@ def generate(model, tokenizer, prompts: str | list[str], max_new_tokens: int = 6
     for p, ids in zip(prompts, prompt_ids):
         if not ids:
             raise ValueError(f"prompt {p!r} tokenizes to no tokens (and the tokenizer adds no BOS)")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    from amdllm.tokenizer import pad_id
     eos = tokenizer_eos_ids(model, tokenizer)
-    dec = Decoder(model, eos_ids=eos, pad_id=pad)
+    dec = Decoder(model, eos_ids=eos, pad_id=pad_id(tokenizer))
     new = generate_ids(model, prompt_ids, max_new_tokens, temperature=temperature, top_p=top_p,
                        seed=seed, decoder=dec)
     rate = dec.tokens_per_second()

@@ -39,6 +39,12 @@ def load_tokenizer(path: str | os.PathLike):
     return tok
 
 
+def pad_id(tokenizer) -> int:
+    """The tokenizer's pad id, else 0. Llama tokenizers often define none; padded positions are masked
+    (attention, loss), so any id works, and 0 keeps embedding lookups in range."""
+    return int(tokenizer.pad_token_id) if tokenizer.pad_token_id is not None else 0
+
+
 def train_bpe(text_files: list[str | os.PathLike], vocab_size: int = 2048):
     """A `tokenizers.Tokenizer`: byte-level BPE trained on `text_files`, BOS added by its post-processor.
 
