@@ -17,9 +17,9 @@ Memory per device, by part (GB = 1e9 bytes, as accelerator vendors count):
                 (x, two norm outputs, residual; q, k, v and roped q, k, attention output; gate, up
                 and silu(gate)*up (`model.swiglu` recomputes the sigmoid); each attention row's float32
                 max and normaliser: `attention.causal_attention` recomputes the probabilities in the
-                backward instead of keeping H*S of them per token), times L layers. With remat (jax.checkpoint per layer) only each
-                layer's input b*D is kept, plus one layer recomputed at a time. The head adds float32
-                logits and log-probabilities: 8V.
+                backward instead of keeping H*S of them per token), times L layers. With remat
+                (jax.checkpoint per layer) only each layer's input b*D is kept, plus one layer
+                recomputed at a time. The head adds float32 logits and log-probabilities: 8V.
                 Inference (no gradient) holds one layer at a time: float32 scores 4*H*S, the layer's
                 input and projections b*(D + q + 2kv + F), and float32 logits 4V.
 Not modelled: XLA temporaries beyond these (all-gathered FSDP weights in flight, fusion buffers),
