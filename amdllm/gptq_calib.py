@@ -68,9 +68,10 @@ def _rope_mask(cfg, B, T):
 
 @functools.lru_cache(maxsize=4)
 def _calibration_fns(cfg_json: str):
-    """(second_moments, forward, layer_params, rope_mask), jitted once per model config (a JSON key: the config holds a dict, so it
-    is not hashable) and kept across `quantize_model` calls: notebook 04 quantizes the same model four
-    times, and closures made inside the call were compiled again by every call."""
+    """(second_moments, forward, layer_params, rope_mask), jitted once per model config and kept across
+    `quantize_model` calls (notebook 04 quantizes the same model four times; closures made inside the
+    call were compiled again by every call). The key is the config as JSON: the config holds a dict,
+    so it is not hashable."""
     from amdllm.config import LlamaConfig
     cfg = LlamaConfig.from_dict(json.loads(cfg_json))
 
