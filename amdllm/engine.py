@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from amdllm.generate import sample_token
+from amdllm.generate import decode_compiler_options, sample_token
 from amdllm.model import KVCache, forward, init_cache, to_pure
 from amdllm.tokenizer import pad_id as tokenizer_pad_id
 
@@ -173,7 +173,7 @@ class Engine:
         # the cache is donated: XLA may update it in place instead of copying [L, B, S, Hkv, hd] twice a
         # step (jax 0.10's CPU client implements donation too)
         self._prefill = jax.jit(prefill, donate_argnums=(2,))
-        self._step = jax.jit(step, donate_argnums=(2,))
+        self._step = jax.jit(step, donate_argnums=(2,), compiler_options=decode_compiler_options())
         self._shift = jax.jit(shift, donate_argnums=(0,))
 
     # ---------------------------------------------------------------- public API

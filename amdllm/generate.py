@@ -75,6 +75,15 @@ def sample_token(logits, key, temperature, top_p):
 _COMPILED: dict = {}
 
 
+def decode_compiler_options() -> dict | None:
+    """XLA options for a jitted decode step (here and in the server's engine).
+
+    XLA:CPU hands dots to XNNPACK/YNNPACK, which pays off for a prefill's or a training step's large
+    matmuls but not for a decode step's few rows: on the 31M benchmark model at batch 8, a step took
+    97 ms with it and 37 ms with XLA's own dot emitter (batch 1: 13 ms either way)."""
+    return {"xla_cpu_use_xnnpack": False} if jax.default_backend() == "cpu" else None
+
+
 def _compiled(model):
     """Jitted (prefill, step) for this model's config/dtype/LoRA scale; weights are arguments."""
     cfg = model.cfg
@@ -113,12 +122,8 @@ def _compiled(model):
     # the cache is rewritten every step: donate it so XLA updates it in place (not on CPU, where
     # donation is unimplemented and only prints a warning)
     donate = (4,) if jax.default_backend() != "cpu" else ()
-    # XLA:CPU hands dots to XNNPACK/YNNPACK, which pays off for a prefill's or a training step's large
-    # matmuls but not for a decode step's few rows: on the 31M benchmark model at batch 8, a step took
-    # 97 ms with it and 37 ms with XLA's own dot emitter (batch 1: 13 ms either way). So not for the step.
-    opts = {"xla_cpu_use_xnnpack": False} if jax.default_backend() == "cpu" else None
     _COMPILED[key] = (jax.jit(prefill, static_argnames=("cache_len",)),
-                      jax.jit(step, donate_argnums=donate, compiler_options=opts))
+                      jax.jit(step, donate_argnums=donate, compiler_options=decode_compiler_options()))
     return _COMPILED[key]
 
 
