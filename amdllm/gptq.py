@@ -331,7 +331,9 @@ def gptq_quantize(W, H, spec: QuantSpec, scale_dtype=jnp.float16, where: str = "
     dead = diag == 0
     perm = np.argsort(-np.where(dead, 1.0, diag), kind="stable") if spec.act_order else np.arange(K)
     H = H + jnp.diag(jnp.asarray(dead, jnp.float32))  # a dead column's zero diagonal becomes 1
-    U, p = hessian_inverse(H[perm][:, perm], spec.percdamp, where)  # H moves to the host only to be factored there
+    if spec.act_order:  # without act-order perm is the identity: no [K, K] gathers
+        H = H[perm][:, perm]
+    U, p = hessian_inverse(H, spec.percdamp, where)  # H moves to the host only to be factored there
     Q, C, S, Z = (np.asarray(a) for a in _gptq_core(W, U, jnp.asarray(dead), jnp.asarray(perm), **kw))
     inv = np.argsort(perm)
     if spec.act_order and not kw["static_groups"]:

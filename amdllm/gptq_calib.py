@@ -140,9 +140,8 @@ def quantize_model(model, windows, spec, *, method: str = "gptq", batch_size: in
         if n > full:
             chunks.append(jnp.take(emb, jnp.asarray(windows[full:][None]), axis=0))
 
-        def _consts(xs):
-            b = xs.shape[1]
-            return cos[:b], sin[:b], mask[:b]
+        # RoPE tables and mask sliced to each chunk's batch once, not per group and layer
+        consts = [(cos[:xs.shape[1]], sin[:xs.shape[1]], mask[:xs.shape[1]]) for xs in chunks]
 
     bar = tqdm(total=L * 7, desc=f"{method} {spec.bits}-bit", disable=not progress)
     for li in range(L):
@@ -150,8 +149,8 @@ def quantize_model(model, windows, spec, *, method: str = "gptq", batch_size: in
         for grp in (SEQUENTIAL if spec.true_sequential else (M.PROJECTIONS,)):
             if method == "gptq":
                 Hs = {INPUT_OF[g]: np.zeros((p[g].shape[0],) * 2, np.float32) for g in grp}
-                for xs in chunks:
-                    Hs = second_moments(p, xs, Hs, *_consts(xs))
+                for xs, c in zip(chunks, consts):
+                    Hs = second_moments(p, xs, Hs, *c)
                 ntok = n * T
                 Hs = {k: 2.0 * h / ntok for k, h in Hs.items()}   # H = 2/n sum x x^T (scale-free)
             for proj in grp:
@@ -170,7 +169,7 @@ def quantize_model(model, windows, spec, *, method: str = "gptq", batch_size: in
                 packed[proj].append(res)
                 bar.update(1)
         if method == "gptq":  # the quantized layer's outputs are the next layer's inputs
-            chunks = [forward(p, xs, *_consts(xs)) for xs in chunks]
+            chunks = [forward(p, xs, *c) for xs, c in zip(chunks, consts)]
     bar.close()
     _install(model, packed, spec.bits)
     return model, rows

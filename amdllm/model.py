@@ -214,12 +214,12 @@ def _proj_group(p, key, x, sizes, lora_scale, dropout, rng, idx0, joined=False):
         delta = jnp.concatenate([a @ p[n + "_lora_b"].astype(x.dtype) for a, n in zip(xa, names)], axis=-1)
         y = y + (lora_scale * delta).astype(y.dtype)
     else:  # A's left separate (dropout: the same masks as unfused `linear`; or LoRA on only some of them)
-        deltas = [None if n + "_lora_a" not in p else
-                  lora_delta(x2, p[n + "_lora_a"], p[n + "_lora_b"], lora_scale, dropout, r).astype(y.dtype)
-                  for n, r in zip(names, rngs)]
-        if any(d is not None for d in deltas):
-            y = y + jnp.concatenate([jnp.zeros((x2.shape[0], size), y.dtype) if d is None else d
-                                     for d, size in zip(deltas, sizes)], axis=-1)
+        start = 0
+        for n, r, size in zip(names, rngs, sizes):  # each delta into its own columns
+            if n + "_lora_a" in p:
+                d = lora_delta(x2, p[n + "_lora_a"], p[n + "_lora_b"], lora_scale, dropout, r)
+                y = y.at[:, start:start + size].add(d.astype(y.dtype))
+            start += size
     y = y.reshape(*x.shape[:-1], y.shape[-1])
     if joined:
         return y
