@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from amdllm.model import KVCache, forward, init_cache, to_pure
+from amdllm.model import KVCache, forward, init_cache, split_cache, to_pure
 
 PROMPT_BUCKET = 16
 CACHE_BUCKET = 64
@@ -80,8 +80,34 @@ def decode_compiler_options() -> dict | None:
 
     XLA:CPU hands dots to XNNPACK/YNNPACK, which pays off for a prefill's or a training step's large
     matmuls but not for a decode step's few rows: on the 31M benchmark model at batch 8, a step took
-    97 ms with it and 37 ms with XLA's own dot emitter (batch 1: 13 ms either way)."""
-    return {"xla_cpu_use_xnnpack": False} if jax.default_backend() == "cpu" else None
+    97 ms with XNNPACK and 37 ms without; with per-layer weights (`layer_views`) turning the YNNPACK
+    fusions off too takes it from ~30 to ~23 ms (batch 1: ~10 ms either way)."""
+    if jax.default_backend() != "cpu":
+        return None
+    return {"xla_cpu_use_xnnpack": False, "xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+def layer_views(layers: dict) -> list[dict] | None:
+    """Stacked layer weights [L, ...] as L per-layer dicts that share their memory, or None.
+
+    `forward` runs per-layer weights as an unrolled loop instead of a scan; on the CPU that spares a
+    decode step XLA's copy of every layer's weights out of the stack (31M model, batch 8: 43 -> 24 ms
+    a step). The views cost no memory: on the CPU, `jax.device_put` of a numpy view of an array's
+    buffer makes no copy, and we check that it did not. None where that does not hold (an
+    accelerator, a sharded array, a copy made): the decode step then scans the stacked weights."""
+    if jax.default_backend() != "cpu":
+        return None
+    leaves, treedef = jax.tree.flatten(layers)
+    if not leaves or any(not isinstance(a, jax.Array) or len(a.sharding.device_set) != 1 for a in leaves):
+        return None
+    host = [np.asarray(a) for a in leaves]  # zero-copy on the CPU
+    per = []
+    for i in range(leaves[0].shape[0]):
+        views = [jax.device_put(h[i], next(iter(a.sharding.device_set))) for a, h in zip(leaves, host)]
+        if any(v.unsafe_buffer_pointer() != h[i].ctypes.data for v, h in zip(views, host)):
+            return None  # copied (e.g. a misaligned slice): not worth the memory
+        per.append(jax.tree.unflatten(treedef, views))
+    return per
 
 
 def _compiled(model):
@@ -104,13 +130,16 @@ def _compiled(model):
         logits = jnp.dot(h[:, -1], head.astype(dtype), preferred_element_type=jnp.float32)  # [B, V]
         return logits, cache
 
-    def prefill(top, layers, tokens, positions, segment_ids, key, temperature, top_p, cache_len):
-        # tokens/positions/segment_ids [B, P] left-padded; cache_len (static) fixes the cache shape
+    def prefill(top, layers, tokens, positions, segment_ids, key, temperature, top_p, cache_len,
+                per_layer=False):
+        # tokens/positions/segment_ids [B, P] left-padded; cache_len (static) fixes the cache shape.
+        # The prefill scans the stacked weights (its matmuls are large; compile time stays flat) and
+        # hands the step a per-layer cache when the step runs per-layer weights (`layer_views`).
         cache = init_cache(cfg, tokens.shape[0], cache_len, dtype)
         # left padding: the last column is a real token for every row
         last, cache = run(top, layers, tokens, positions, segment_ids, cache, 0)       # [B, V]
         tok = sample_token(last, jax.random.fold_in(key, 0), temperature, top_p)
-        return tok, last, cache
+        return tok, last, split_cache(cache) if per_layer else cache
 
     def step(top, layers, tok, pos, cache: KVCache, cache_index, i, key, temperature, top_p):
         # tok/pos [B]: the token just produced and its RoPE position; written at slot cache_index
@@ -119,11 +148,9 @@ def _compiled(model):
         nxt = sample_token(logits, jax.random.fold_in(key, i), temperature, top_p)
         return nxt, logits, cache
 
-    # the cache is rewritten every step: donate it so XLA updates it in place (not on CPU, where
-    # donation is unimplemented and only prints a warning)
-    donate = (4,) if jax.default_backend() != "cpu" else ()
-    _COMPILED[key] = (jax.jit(prefill, static_argnames=("cache_len",)),
-                      jax.jit(step, donate_argnums=donate, compiler_options=decode_compiler_options()))
+    # the cache is rewritten every step: donate it so XLA writes the new slot in place
+    _COMPILED[key] = (jax.jit(prefill, static_argnames=("cache_len", "per_layer")),
+                      jax.jit(step, donate_argnums=(4,), compiler_options=decode_compiler_options()))
     return _COMPILED[key]
 
 
@@ -154,10 +181,12 @@ def pack_prompts(prompt_ids: Sequence[Sequence[int]], pad_id: int = 0, bucket: i
 
 class Decoder:
     """Streaming batched decoding for one model. `stream` yields, per step, one new token id per row
-    (None once that row has finished); `return_logits=True` yields (tokens, logits [B, V]) instead."""
+    (None once that row has finished); `return_logits=True` yields (tokens, logits [B, V]) instead.
+    per_layer=False keeps the decode step's layer scan even on the CPU (see `layer_views`)."""
 
-    def __init__(self, model, *, eos_ids: Sequence[int] = (), pad_id: int = 0):
+    def __init__(self, model, *, eos_ids: Sequence[int] = (), pad_id: int = 0, per_layer: bool = True):
         self.model = model
+        self.per_layer = per_layer
         self.eos_ids = tuple(sorted({int(e) for e in eos_ids}))
         self.pad_id = int(pad_id)
         self.prefill, self.step = _compiled(model)
@@ -170,6 +199,7 @@ class Decoder:
         if max_new_tokens < 1:
             return
         top, layers = to_pure(self.model)
+        views = layer_views(layers) if self.per_layer else None
         tokens, positions, seg, lens = pack_prompts(prompt_ids, self.pad_id)
         limit = self.model.cfg.max_position_embeddings
         if int(lens.max()) + max_new_tokens > limit:
@@ -180,7 +210,8 @@ class Decoder:
         temp, tp = _per_row(temperature, B, "temperature"), _per_row(top_p, B, "top_p")
         key = jax.random.PRNGKey(seed)
         tok, logits, cache = self.prefill(top, layers, tokens, positions, seg, key, temp, tp,
-                                          cache_len=S)
+                                          cache_len=S, per_layer=views is not None)
+        step_layers = layers if views is None else views
         done = np.zeros(B, bool)
         eos = np.array(self.eos_ids, np.int64)
         pos = jnp.asarray(lens, jnp.int32)  # next RoPE position per row = its real prompt length
@@ -194,7 +225,7 @@ class Decoder:
             if done.all() or i == max_new_tokens - 1:
                 return
             tok = jnp.asarray(np.where(done, self.pad_id, host).astype(np.int32))
-            tok, logits, cache = self.step(top, layers, tok, pos, cache, P + i, i + 1, key, temp, tp)
+            tok, logits, cache = self.step(top, step_layers, tok, pos, cache, P + i, i + 1, key, temp, tp)
             pos = pos + 1
 
     def tokens_per_second(self) -> float:

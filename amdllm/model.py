@@ -103,14 +103,29 @@ class Llama(nnx.Module):
 # Pure functions over arrays
 # --------------------------------------------------------------------------------------------------
 class KVCache(NamedTuple):
-    k: jax.Array      # [L, B, S, Hkv, hd]
-    v: jax.Array      # [L, B, S, Hkv, hd]
+    k: Any            # [L, B, S, Hkv, hd], or a tuple of L [B, S, Hkv, hd] (per-layer, see `forward`)
+    v: Any            # like k
     valid: jax.Array  # [B, S] bool: slot holds a real (non-padding) token
 
 
-def init_cache(cfg: LlamaConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
-    shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch, max_len), bool))
+def init_cache(cfg: LlamaConfig, batch: int, max_len: int, dtype=jnp.float32, per_layer: bool = False
+               ) -> KVCache:
+    shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+    valid = jnp.zeros((batch, max_len), bool)
+    if per_layer:
+        L = cfg.num_hidden_layers
+        return KVCache(tuple(jnp.zeros(shape, dtype) for _ in range(L)),
+                       tuple(jnp.zeros(shape, dtype) for _ in range(L)), valid)
+    shape = (cfg.num_hidden_layers, *shape)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), valid)
+
+
+def split_cache(cache: KVCache) -> KVCache:
+    """A stacked cache as per-layer tuples (inside a jit: one copy; e.g. after a scanned prefill)."""
+    if isinstance(cache.k, (tuple, list)):
+        return cache
+    L = cache.k.shape[0]
+    return KVCache(tuple(cache.k[i] for i in range(L)), tuple(cache.v[i] for i in range(L)), cache.valid)
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> jax.Array:
@@ -295,6 +310,12 @@ def forward(cfg: LlamaConfig, top: dict, layers: dict, tokens, *, positions=None
             lora_scale=0.0, lora_dropout=0.0, dropout_rng=None, return_hidden=False, act_sharding=None):
     """The whole model as a pure function. `top`: embed_tokens, norm, lm_head?; `layers`: stacked [L, ...].
 
+    `layers` may instead be a list of L per-layer dicts (`amdllm.generate.layer_views`): the layers then
+    run as an unrolled Python loop, which reads each layer's weights where they are. Under `scan`,
+    XLA:CPU copies every layer's weight slice out of the stack first, which is most of a decode step
+    (31M model, batch 8: 43 -> 24 ms). Compile time then grows with depth: meant for decoding.
+    A per-layer cache (tuples, `init_cache(per_layer=True)`) goes with it; a stacked one is restacked.
+
     act_sharding: a sharding for the [B, T, D] hidden states (`amdllm.sharding.activation_sharding`);
     without it XLA may split activations like the weights (FSDP's model dimension) and keep whole
     batches on every device."""
@@ -319,7 +340,7 @@ def forward(cfg: LlamaConfig, top: dict, layers: dict, tokens, *, positions=None
         same = segment_ids[:, :, None] == segment_ids[:, None, :]
         mask = causal[None] & same & (segment_ids[:, None, :] != 0)
     else:  # slot s is visible to query t if written and not in the future
-        S = cache.k.shape[2]
+        S = cache.valid.shape[1]
         valid = jax.lax.dynamic_update_slice(cache.valid, segment_ids != 0, (0, cache_index))
         slot = jnp.arange(S)[None, None, :]
         mask = (slot <= cache_index + jnp.arange(T)[None, :, None]) & valid[:, None, :]
@@ -342,7 +363,23 @@ def forward(cfg: LlamaConfig, top: dict, layers: dict, tokens, *, positions=None
     if remat:
         body = jax.checkpoint(body, prevent_cse=False)
     kvs = None if cache is None else (cache.k, cache.v)
-    x, new_kv = jax.lax.scan(body, x, (layers, kvs, jnp.arange(cfg.num_hidden_layers)))
+    if isinstance(layers, (list, tuple)):  # per-layer weights: an unrolled loop, no weight slices
+        ks, vs = [], []
+        for i, p in enumerate(layers):
+            x, kv = body(x, (p, None if kvs is None else (kvs[0][i], kvs[1][i]), i))
+            if kv is not None:
+                ks.append(kv[0])
+                vs.append(kv[1])
+        new_kv = None if kvs is None else (tuple(ks), tuple(vs))
+        if kvs is not None and not isinstance(kvs[0], (tuple, list)):  # a stacked cache stays stacked
+            new_kv = (jnp.stack(ks), jnp.stack(vs))
+    else:
+        per_layer = kvs is not None and isinstance(kvs[0], (tuple, list))
+        if per_layer:  # scanned weights with a per-layer cache: stacked for the scan, split after
+            kvs = (jnp.stack(kvs[0]), jnp.stack(kvs[1]))
+        x, new_kv = jax.lax.scan(body, x, (layers, kvs, jnp.arange(cfg.num_hidden_layers)))
+        if per_layer:
+            new_kv = split_cache(KVCache(*new_kv, None))[:2]
     x = rms_norm(x, top["norm"], cfg.rms_norm_eps)
     new_cache = None if cache is None else KVCache(new_kv[0], new_kv[1], valid)
     if return_hidden:  # e.g. a prefill that needs logits at the last position only (not [B, T, V])

@@ -177,3 +177,58 @@ def test_context_limit_is_a_clear_error(tmp_path):
     model = checkpoint.load(d)
     with pytest.raises(ValueError, match="max_position_embeddings=32"):
         generate_ids(model, [[1, 2, 3, 4]], max_new_tokens=40)
+
+
+def test_per_layer_decoding_shares_weight_memory_and_matches_the_scan(models):
+    """On the CPU the decode step runs per-layer weight views (`layer_views`): they must alias the
+    stacked arrays (no second copy of the model) and give the scanned step's tokens and logits."""
+    from amdllm.generate import layer_views
+    from amdllm.model import to_pure
+    _, ours = models
+    _, layers = to_pure(ours)
+    views = layer_views(layers)
+    assert views is not None and len(views) == ours.cfg.num_hidden_layers
+    for name, stacked in layers.items():
+        per = stacked[0].size * stacked.dtype.itemsize
+        for i, v in enumerate(views):
+            assert v[name].shape == stacked.shape[1:]
+            assert v[name].unsafe_buffer_pointer() == stacked.unsafe_buffer_pointer() + i * per, name
+            np.testing.assert_array_equal(np.asarray(v[name]), np.asarray(stacked[i]))
+    fast = list(Decoder(ours, eos_ids=()).stream(PROMPTS, 10, return_logits=True))
+    scan = list(Decoder(ours, eos_ids=(), per_layer=False).stream(PROMPTS, 10, return_logits=True))
+    assert [s[0] for s in fast] == [s[0] for s in scan]
+    for (_, a), (_, b) in zip(fast, scan):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=0)
+
+
+def test_forward_takes_per_layer_weights_and_either_cache_layout(models):
+    from amdllm.generate import layer_views
+    from amdllm.model import forward, init_cache, to_pure
+    _, ours = models
+    cfg = ours.cfg
+    top, layers = to_pure(ours)
+    views = layer_views(layers)
+    toks = jnp.asarray(np.random.default_rng(0).integers(3, cfg.vocab_size, (2, 9)), jnp.int32)
+    want, _ = forward(cfg, top, layers, toks)
+    got, _ = forward(cfg, top, views, toks)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
+    # with a cache: stacked weights x {stacked, per-layer} cache, per-layer weights x both
+    outs = {}
+    for w_name, w in (("stacked", layers), ("per_layer", views)):
+        for c_name in ("stacked", "per_layer"):
+            cache = init_cache(cfg, 2, 16, per_layer=c_name == "per_layer")
+            logits, cache = forward(cfg, top, w, toks[:, :8], cache=cache, cache_index=0)
+            step, cache = forward(cfg, top, w, toks[:, 8:], cache=cache, cache_index=8)
+            assert isinstance(cache.k, tuple) == (c_name == "per_layer"), (w_name, c_name)
+            outs[w_name, c_name] = np.asarray(step[:, 0])
+    for v in outs.values():
+        np.testing.assert_allclose(v, np.asarray(want[:, 8]), atol=5e-5, rtol=0)
+
+
+def test_layer_views_of_bfloat16_weights_share_memory_too():
+    from amdllm.generate import layer_views
+    stacked = {"w": jnp.arange(4 * 8 * 16, dtype=jnp.bfloat16).reshape(4, 8, 16)}
+    views = layer_views(stacked)
+    assert views is not None
+    assert views[3]["w"].unsafe_buffer_pointer() == stacked["w"].unsafe_buffer_pointer() + 3 * 8 * 16 * 2
+    np.testing.assert_array_equal(np.asarray(views[3]["w"]), np.asarray(stacked["w"][3]))
