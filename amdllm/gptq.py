@@ -254,7 +254,7 @@ def hessian_inverse(H, percdamp: float, where: str = "layer", on_host: bool | No
         if U is not None:
             if p != percdamp:
                 warnings.warn(f"{where}: Cholesky failed at percdamp={percdamp}; used {p:.2f}", stacklevel=3)
-            return jnp.asarray(U), p
+            return (jax.device_put(U) if on_host else U), p
         p = round(p + 0.01, 6)
     raise GPTQError(f"{where}: the Hessian is not positive definite even with percdamp < 1 "
                     "(too few or degenerate calibration tokens?)")
@@ -315,6 +315,13 @@ def _gptq_core(W, U, dead, perm, *, maxq, sym, G, B, static_groups, scale_dtype)
     return Q, C, S, Z
 
 
+@jax.jit
+def _mend_dead(H):
+    """(H with a dead column's zero diagonal set to 1, H's diagonal): one compiled call, not 3 eager ops."""
+    diag = jnp.diag(H)
+    return H + jnp.diag((diag == 0).astype(H.dtype)), diag
+
+
 def gptq_quantize(W, H, spec: QuantSpec, scale_dtype=jnp.float16, where: str = "layer") -> QuantResult:
     """W [N, K] float32, H [K, K] (any positive scale) -> QuantResult. The reference loop (module doc)."""
     W = jnp.asarray(W, jnp.float32)
@@ -327,14 +334,15 @@ def gptq_quantize(W, H, spec: QuantSpec, scale_dtype=jnp.float16, where: str = "
         raise GPTQError(f"{where}: group_size {G} and blocksize {spec.blocksize} must divide one another")
     kw = dict(maxq=spec.maxq, sym=spec.sym, G=spec.group_size, B=spec.blocksize,
               static_groups=spec.static_groups and spec.group_size != -1, scale_dtype=jnp.dtype(scale_dtype).name)
-    diag = np.asarray(jnp.diag(H))                  # only the diagonal decides dead columns and the order
+    H, diag = _mend_dead(H)      # only the diagonal decides dead columns and the order (act-order)
+    diag = np.asarray(diag)
     dead = diag == 0
     perm = np.argsort(-np.where(dead, 1.0, diag), kind="stable") if spec.act_order else np.arange(K)
-    H = H + jnp.diag(jnp.asarray(dead, jnp.float32))  # a dead column's zero diagonal becomes 1
     if spec.act_order:  # without act-order perm is the identity: no [K, K] gathers
         H = H[perm][:, perm]
     U, p = hessian_inverse(H, spec.percdamp, where)  # H moves to the host only to be factored there
-    Q, C, S, Z = (np.asarray(a) for a in _gptq_core(W, U, jnp.asarray(dead), jnp.asarray(perm), **kw))
+    # device_put, not jnp.asarray: the latter compiles a small "stage" program per shape and dtype
+    Q, C, S, Z = (np.asarray(a) for a in _gptq_core(W, U, jax.device_put(dead), jax.device_put(perm), **kw))
     inv = np.argsort(perm)
     if spec.act_order and not kw["static_groups"]:
         g_idx = (inv // G).astype(np.int32)  # g_idx[k] = (position of column k in perm) // G
@@ -358,15 +366,19 @@ def reconstruction_error(W, Q, H) -> float:
 
 
 @partial(jax.jit, static_argnames=("maxq", "sym", "G", "scale_dtype"))
-def _errors_vs_rtn(W, Q, H, *, maxq, sym, G, scale_dtype):
+def _errors_vs_rtn(W, Q, H, h_scale, *, maxq, sym, G, scale_dtype):
+    H = H * h_scale
     return _recon_err(W, Q, H), _recon_err(W, _rtn_core(W, maxq=maxq, sym=sym, G=G, scale_dtype=scale_dtype)[0], H)
 
 
-def errors_vs_rtn(W, Q, H, spec: QuantSpec, scale_dtype=jnp.float16) -> tuple[float, float]:
-    """(reconstruction_error of Q, that of RTN on the same grid), in one compiled call: calibration
-    reports this for every linear, and as separate eager ops it cost a third of the whole run."""
-    W, Q, H = (jnp.asarray(a, jnp.float32) for a in (W, Q, H))
-    e = _errors_vs_rtn(W, Q, H, maxq=spec.maxq, sym=spec.sym, G=spec.groups(W.shape[1]),
+def errors_vs_rtn(W, Q, H, spec: QuantSpec, scale_dtype=jnp.float16, h_scale: float = 1.0
+                  ) -> tuple[float, float]:
+    """(reconstruction_error of Q, that of RTN on the same grid) for the second moment h_scale * H, in
+    one compiled call: calibration reports this for every linear, and as separate eager ops it cost a
+    third of the whole run."""
+    W, Q, H = (jax.device_put(np.asarray(a, np.float32)) if isinstance(a, np.ndarray) else
+               jnp.asarray(a, jnp.float32) for a in (W, Q, H))
+    e = _errors_vs_rtn(W, Q, H, jnp.float32(h_scale), maxq=spec.maxq, sym=spec.sym, G=spec.groups(W.shape[1]),
                        scale_dtype=jnp.dtype(scale_dtype).name)
     return float(e[0]), float(e[1])
 

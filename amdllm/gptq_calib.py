@@ -8,7 +8,6 @@ groups already quantized), and feed the *quantized* layer's outputs to the next 
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import math
@@ -68,7 +67,7 @@ def _rope_mask(cfg, B, T):
 
 @functools.lru_cache(maxsize=4)
 def _calibration_fns(cfg_json: str):
-    """(second_moments, forward, layer_params, rope_mask), jitted once per model config and kept across
+    """(second_moments, forward, layer_params, hessian, rope_mask), jitted once per model config and kept across
     `quantize_model` calls (notebook 04 quantizes the same model four times; closures made inside the
     call were compiled again by every call). The key is the config as JSON: the config holds a dict,
     so it is not hashable."""
@@ -90,12 +89,19 @@ def _calibration_fns(cfg_json: str):
         return jax.lax.map(lambda x: layer_with_inputs(cfg, p, x, cos, sin, mask)[0], xs)
 
     @jax.jit
-    def layer_params(layers, li):  # layer li of the stacked params, float32 (one compile, not one per slice)
-        return {k: jax.lax.dynamic_index_in_dim(v, li, keepdims=False).astype(jnp.float32)
-                for k, v in layers.items()}
+    def layer_params(layers, li):
+        """Layer li of the stacked params, float32, and its kernels transposed to the reference's
+        [out, in]: one compile, not an eager slice or transpose compiled per shape."""
+        p = {k: jax.lax.dynamic_index_in_dim(v, li, keepdims=False).astype(jnp.float32)
+             for k, v in layers.items()}
+        return p, {k: p[k].T for k in M.PROJECTIONS}
+
+    @jax.jit
+    def hessian(h, ntok):  # H = 2/n sum x x^T, as the reference scales it (GPTQ itself is scale-free)
+        return 2.0 * h / ntok
 
     rope_mask = jax.jit(functools.partial(_rope_mask, cfg), static_argnums=(0, 1))
-    return second_moments, forward, layer_params, rope_mask
+    return second_moments, forward, layer_params, hessian, rope_mask
 
 
 def quantize_model(model, windows, spec, *, method: str = "gptq", batch_size: int = 8,
@@ -119,7 +125,7 @@ def quantize_model(model, windows, spec, *, method: str = "gptq", batch_size: in
     L = cfg.num_hidden_layers
     packed = {proj: [] for proj in M.PROJECTIONS}
     rows = []
-    second_moments, forward, layer_params, rope_mask = _calibration_fns(json.dumps(cfg.to_dict(), sort_keys=True))
+    second_moments, forward, layer_params, hessian, rope_mask = _calibration_fns(json.dumps(cfg.to_dict(), sort_keys=True))
     if method == "gptq":
         windows = np.asarray(windows, np.int32)
         n, T = windows.shape
@@ -145,27 +151,27 @@ def quantize_model(model, windows, spec, *, method: str = "gptq", batch_size: in
 
     bar = tqdm(total=L * 7, desc=f"{method} {spec.bits}-bit", disable=not progress)
     for li in range(L):
-        p = layer_params(layers, li)
+        p, Wt = layer_params(layers, li)                       # Wt: kernels as the reference's [N, K]
         for grp in (SEQUENTIAL if spec.true_sequential else (M.PROJECTIONS,)):
             if method == "gptq":
                 Hs = {INPUT_OF[g]: np.zeros((p[g].shape[0],) * 2, np.float32) for g in grp}
                 for xs, c in zip(chunks, consts):
                     Hs = second_moments(p, xs, Hs, *c)
                 ntok = n * T
-                Hs = {k: 2.0 * h / ntok for k, h in Hs.items()}   # H = 2/n sum x x^T (scale-free)
+                Hs = {k: hessian(h, jnp.float32(ntok)) for k, h in Hs.items()}
             for proj in grp:
-                W = p[proj].T                                      # ours [K, N] -> reference [N, K]
+                W = Wt[proj]                                       # ours [K, N] -> reference [N, K]
                 where = f"layer {li} {proj}"
                 if method == "gptq":
                     H = Hs[INPUT_OF[proj]]
                     res = gptq_quantize(W, H, spec, where=where)
                     if report:  # H / 2: the raw second moment
-                        e_gptq, e_rtn = errors_vs_rtn(W, res.Q, H / 2, spec)
+                        e_gptq, e_rtn = errors_vs_rtn(W, res.Q, H, spec, h_scale=0.5)
                         rows.append({"layer": li, "proj": proj, "gptq_err": e_gptq, "rtn_err": e_rtn,
                                      "damp": res.damp})
                 else:
                     res = rtn_quantize(W, spec)
-                p[proj] = jnp.asarray(res.Q.T)                     # later groups/layers see quantized
+                p[proj] = jax.device_put(np.ascontiguousarray(res.Q.T))  # later groups/layers see quantized
                 packed[proj].append(res)
                 bar.update(1)
         if method == "gptq":  # the quantized layer's outputs are the next layer's inputs
@@ -182,11 +188,12 @@ def _install(model, packed, bits):
     for proj, results in packed.items():
         (_, axes) = M.param_table(model.cfg)["layers/" + proj]
         if bits == 3:
-            setattr(model.layers, proj, nnx.Param(jnp.stack([jnp.asarray(r.Q.T) for r in results])
-                                                  .astype(getattr(model.layers, proj)[...].dtype), axes=axes))
+            dtype = getattr(model.layers, proj)[...].dtype
+            setattr(model.layers, proj, nnx.Param(jax.device_put(np.stack([np.asarray(r.Q).T for r in results])
+                                                                 .astype(dtype)), axes=axes))
             continue
-        per = [r.packed(bits) for r in results]
-        setattr(model.layers, proj, QuantLinear(**{k: jnp.asarray(np.stack([d[k] for d in per]))
+        per = [r.packed(bits) for r in results]  # device_put: jnp.asarray compiles a program per shape
+        setattr(model.layers, proj, QuantLinear(**{k: jax.device_put(np.stack([d[k] for d in per]))
                                                    for k in per[0]}))
 
 

@@ -200,10 +200,11 @@ def save_quantized(model, path, quant_config: dict, *, tokenizer_from=None) -> P
     path = Path(path)
     cfg: LlamaConfig = model.cfg
     fmt, bits = quant_config["checkpoint_format"], quant_config["bits"]
-    layers = nnx.to_pure_dict(nnx.state(model.layers))
-    t = {"model.embed_tokens.weight": model.embed_tokens[...], "model.norm.weight": model.norm[...]}
+    # to numpy first (no copy on the CPU): indexing the JAX arrays per layer compiled a slice per shape
+    layers = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model.layers)))
+    t = {"model.embed_tokens.weight": np.asarray(model.embed_tokens[...]), "model.norm.weight": np.asarray(model.norm[...])}
     if hasattr(model, "lm_head"):
-        t["lm_head.weight"] = model.lm_head[...].T  # ours [D, V] -> HF [V, D]
+        t["lm_head.weight"] = np.asarray(model.lm_head[...]).T  # ours [D, V] -> HF [V, D]
     for i in range(cfg.num_hidden_layers):
         t[f"model.layers.{i}.input_layernorm.weight"] = layers["input_layernorm"][i]
         t[f"model.layers.{i}.post_attention_layernorm.weight"] = layers["post_attention_layernorm"][i]
@@ -217,8 +218,9 @@ def save_quantized(model, path, quant_config: dict, *, tokenizer_from=None) -> P
             t[_hf(i, proj) + ".qzeros"] = _zeros_v1_to_v2(qz, bits, inverse=True) if fmt == "gptq" else qz
             t[_hf(i, proj) + ".scales"] = np.asarray(v["scales"][i], np.float16)
             t[_hf(i, proj) + ".g_idx"] = np.asarray(v["g_idx"][i], np.int32)
-    t = {k: (np.asarray(v).astype(np.float16) if np.asarray(v).dtype.kind == "f" and not k.endswith("scales")
-             else np.ascontiguousarray(v)) for k, v in t.items()}
+    # C order: astype keeps a transposed view's Fortran layout, and safetensors writes memory order
+    t = {k: np.ascontiguousarray(np.asarray(v).astype(np.float16) if np.asarray(v).dtype.kind == "f"
+                                 and not k.endswith("scales") else v) for k, v in t.items()}
     path.mkdir(parents=True, exist_ok=True)
     with atomic_path(path / "model.safetensors") as tmp:
         tmp.write_bytes(save(t, metadata={"format": "pt"}))
