@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from amdllm.generate import decode_compiler_options, sample_token
+from amdllm.generate import decode_compiler_options, layer_views, sample_token
 from amdllm.model import KVCache, forward, init_cache, to_pure
 from amdllm.tokenizer import pad_id as tokenizer_pad_id
 
@@ -100,6 +100,23 @@ class TextStream:
         return delta
 
 
+# A cache part is stacked [L, B, S, Hkv, hd] or per-layer, a tuple of [B, S, Hkv, hd]: the same edits on both
+def _row_of(c, row):
+    if isinstance(c, tuple):
+        return tuple(jax.lax.dynamic_slice_in_dim(x, row, 1, axis=0) for x in c)
+    return jax.lax.dynamic_slice_in_dim(c, row, 1, axis=1)
+
+
+def _put_row(c, sub, row):
+    if isinstance(c, tuple):
+        return tuple(jax.lax.dynamic_update_slice_in_dim(x, s, row, axis=0) for x, s in zip(c, sub))
+    return jax.lax.dynamic_update_slice_in_dim(c, sub, row, axis=1)
+
+
+def _roll_slots(c, m):
+    return tuple(jnp.roll(x, m, axis=1) for x in c) if isinstance(c, tuple) else jnp.roll(c, m, axis=2)
+
+
 class Engine:
     """Owns the model, the batch cache and the worker thread. `submit(req)` is thread-safe."""
 
@@ -116,9 +133,12 @@ class Engine:
         self.eos = frozenset(int(e) for e in eos_ids)
         self.pad = int(pad_id) if pad_id is not None else tokenizer_pad_id(tokenizer)
         self.top, self.layers = to_pure(model)
+        # the decode step reads per-layer weight views on the CPU (no copies out of the stack; see
+        # generate.layer_views) and then keeps a per-layer cache; the prefill scans the stacked weights
+        self.views = layer_views(self.layers)
         self.dtype = model.dtype
         self._build(model)
-        self.cache = init_cache(cfg, self.B, self.S, self.dtype)
+        self.cache = self._new_cache()
         self.rows: list[_Row | None] = [None] * self.B
         self.c = 0  # next cache slot every active row writes
         self.inbox: queue.Queue = queue.Queue()
@@ -143,17 +163,14 @@ class Engine:
         def prefill(top, layers, cache, row, tokens, positions, seg, start, key, temp, top_p):
             # one request into cache row `row`: tokens/positions/seg [1, P] left-padded, written at
             # slots [start, start+P); the row's other slots become invalid
-            L, _, S, Hkv, hd = cache.k.shape
-            sub = KVCache(jax.lax.dynamic_slice(cache.k, (0, row, 0, 0, 0), (L, 1, S, Hkv, hd)),
-                          jax.lax.dynamic_slice(cache.v, (0, row, 0, 0, 0), (L, 1, S, Hkv, hd)),
-                          jnp.zeros((1, S), bool))
+            S = cache.valid.shape[1]
+            sub = KVCache(_row_of(cache.k, row), _row_of(cache.v, row), jnp.zeros((1, S), bool))
             x, sub = forward(cfg, top, layers, tokens, positions=positions, segment_ids=seg, cache=sub,
                              cache_index=start, dtype=dtype, lora_scale=lscale, return_hidden=True)
             # logits at the last position only: [1, V], not [1, P, V] (a 128k vocabulary makes that big)
             head = top["lm_head"] if "lm_head" in top else top["embed_tokens"].T
             last = jnp.dot(x[:, -1], head.astype(dtype), preferred_element_type=jnp.float32)
-            cache = KVCache(jax.lax.dynamic_update_slice(cache.k, sub.k, (0, row, 0, 0, 0)),
-                            jax.lax.dynamic_update_slice(cache.v, sub.v, (0, row, 0, 0, 0)),
+            cache = KVCache(_put_row(cache.k, sub.k, row), _put_row(cache.v, sub.v, row),
                             jax.lax.dynamic_update_slice(cache.valid, sub.valid, (row, 0)))
             tok = sample_rows(last, key[None], jnp.zeros((1,), jnp.int32), temp, top_p)
             return tok[0], cache
@@ -168,13 +185,16 @@ class Engine:
         def shift(cache, m):  # move every row's slots m to the left; wrapped-in slots are invalid
             S = cache.valid.shape[1]
             valid = jnp.roll(cache.valid, -m, axis=1) & (jnp.arange(S) < S - m)[None]
-            return KVCache(jnp.roll(cache.k, -m, axis=2), jnp.roll(cache.v, -m, axis=2), valid)
+            return KVCache(_roll_slots(cache.k, -m), _roll_slots(cache.v, -m), valid)
 
         # the cache is donated: XLA may update it in place instead of copying [L, B, S, Hkv, hd] twice a
         # step (jax 0.10's CPU client implements donation too)
         self._prefill = jax.jit(prefill, donate_argnums=(2,))
         self._step = jax.jit(step, donate_argnums=(2,), compiler_options=decode_compiler_options())
         self._shift = jax.jit(shift, donate_argnums=(0,))
+
+    def _new_cache(self) -> KVCache:
+        return init_cache(self.cfg, self.B, self.S, self.dtype, per_layer=self.views is not None)
 
     # ---------------------------------------------------------------- public API
     def submit(self, req: Request) -> None:
@@ -215,7 +235,7 @@ class Engine:
                     if r is not None:
                         self._fail(r.req, f"generation failed: {type(e).__name__}: {e}")
                         self.rows[i] = None
-                self.cache = init_cache(self.cfg, self.B, self.S, self.dtype)
+                self.cache = self._new_cache()
                 self.c = 0
 
     def _drain_inbox(self, block: bool):
@@ -286,7 +306,8 @@ class Engine:
             if r is not None:
                 tok[i], pos[i], act[i], k[i], keys[i] = r.pending, r.pos, True, len(r.out_ids), r.key
                 temp[i], top_p[i] = r.req.temperature, r.req.top_p
-        nxt, self.cache = self._step(self.top, self.layers, self.cache, tok, pos, act, jnp.int32(self.c),
+        layers = self.layers if self.views is None else self.views
+        nxt, self.cache = self._step(self.top, layers, self.cache, tok, pos, act, jnp.int32(self.c),
                                      keys, k, temp, top_p)
         nxt = np.asarray(nxt)  # the one device->host copy per step
         self.c += 1

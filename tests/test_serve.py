@@ -331,6 +331,9 @@ def test_engine_joins_running_batch_and_shifts_the_cache(served):
     assert results["y"]["token_ids"] == ry["token_ids"]
     assert results["z"]["token_ids"] == rz["token_ids"]
     assert eng.stats["shifts"] == before["shifts"] + 1
+    # on the CPU the engine decodes per-layer weight views with a per-layer cache (generate.layer_views):
+    # the joins and the shift above ran on that layout
+    assert eng.views is not None and isinstance(eng.cache.k, tuple)
 
 
 def test_serves_gptq_checkpoint_with_lora_adapter(served, tmp_path):
