@@ -128,7 +128,16 @@ def make_train_step(model: Llama, optimizer: optax.GradientTransformation):
         new_lora, new_opt = jax.tree.map(keep, new_lora, lora), jax.tree.map(keep, new_opt, opt_state)
         return new_lora, new_opt, {"loss": loss, "grad_norm": gnorm, "ok": ok, "weight": total_w}
 
-    return jax.jit(step, donate_argnums=(0, 1))
+    return jax.jit(step, donate_argnums=(0, 1), compiler_options=train_compiler_options())
+
+
+def train_compiler_options() -> dict | None:
+    """XLA options for the training step: on the CPU, dots go to Eigen rather than YNNPACK fusions.
+
+    Same-process A/B on the 31M benchmark step (batch 8 x 256, LoRA r8 on all projections), 14
+    timed steps per side: 3.67 -> 3.36 s (1.09x); two shorter runs gave 1.07x and 1.02-1.07x. The
+    numbers are the same (equal first-step loss). Nothing changes on accelerators."""
+    return {"xla_cpu_experimental_ynn_fusion_type": ""} if jax.default_backend() == "cpu" else None
 
 
 def make_eval_step(model: Llama):
