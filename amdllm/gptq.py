@@ -315,6 +315,12 @@ def _gptq_core(W, U, dead, perm, *, maxq, sym, G, B, static_groups, scale_dtype)
     return Q, C, S, Z
 
 
+def core_kwargs(spec: QuantSpec, scale_dtype=jnp.float16) -> dict:
+    """The static settings `_gptq_core` is compiled for (also used to compile it ahead, gptq_calib)."""
+    return dict(maxq=spec.maxq, sym=spec.sym, G=spec.group_size, B=spec.blocksize,
+                static_groups=spec.static_groups and spec.group_size != -1, scale_dtype=jnp.dtype(scale_dtype).name)
+
+
 @jax.jit
 def _mend_dead(H):
     """(H with a dead column's zero diagonal set to 1, H's diagonal): one compiled call, not 3 eager ops."""
@@ -332,8 +338,7 @@ def gptq_quantize(W, H, spec: QuantSpec, scale_dtype=jnp.float16, where: str = "
     G = spec.groups(K, where)
     if spec.group_size != -1 and G % spec.blocksize and spec.blocksize % G:
         raise GPTQError(f"{where}: group_size {G} and blocksize {spec.blocksize} must divide one another")
-    kw = dict(maxq=spec.maxq, sym=spec.sym, G=spec.group_size, B=spec.blocksize,
-              static_groups=spec.static_groups and spec.group_size != -1, scale_dtype=jnp.dtype(scale_dtype).name)
+    kw = core_kwargs(spec, scale_dtype)
     H, diag = _mend_dead(H)      # only the diagonal decides dead columns and the order (act-order)
     diag = np.asarray(diag)
     dead = diag == 0

@@ -104,6 +104,56 @@ def _calibration_fns(cfg_json: str):
     return second_moments, forward, layer_params, hessian, rope_mask
 
 
+def _compile_ahead(fns, spec, layers, chunks, consts, groups, report: bool) -> dict:
+    """Start compiling, on 2 background threads, every function the GPTQ layer loop will call, in the
+    order it needs them -> {key: future}; `_ready` waits for one before its first call.
+
+    XLA compiles a function on one core, and the loop's ~20 compiles (~11 s for the course model)
+    happen one after another on first use, so a 2-core CPU sat half idle for that time. An
+    ahead-of-time `lower().compile()` fills jit's cache (a later call with the same shapes does not
+    compile again). A job that fails costs nothing: the call then compiles as before."""
+    from concurrent.futures import ThreadPoolExecutor
+    from amdllm import gptq
+    second_moments, forward, layer_params, hessian, _ = fns
+    S = jax.ShapeDtypeStruct
+    f32 = jnp.float32
+    p = jax.eval_shape(layer_params, layers, 0)[0]
+    jobs = {"layer_params": (layer_params, (layers, 0), {})}
+    kw = gptq.core_kwargs(spec)
+    for gi, grp in enumerate(groups):
+        for ci, (xs, c) in enumerate(zip(chunks, consts)):
+            Hs = {INPUT_OF[g]: S((p[g].shape[0],) * 2, f32) for g in grp}
+            jobs[("sm", gi, ci)] = (second_moments, (p, S(xs.shape, f32), Hs, *c), {})
+        for g in grp:
+            K, N = p[g].shape
+            jobs.setdefault(("hess", K), (hessian, (S((K, K), f32), f32(1)), {}))
+            jobs.setdefault(("mend", K), (gptq._mend_dead, (S((K, K), f32),), {}))
+            jobs.setdefault(("core", N, K), (gptq._gptq_core, (S((N, K), f32), S((K, K), f32), S((K,), bool),
+                                                               S((K,), jnp.int32)), kw))
+            if report:
+                jobs.setdefault(("err", N, K), (gptq._errors_vs_rtn, (S((N, K), f32), S((N, K), f32), S((K, K), f32),
+                                                                       f32(1)),
+                                                dict(maxq=spec.maxq, sym=spec.sym, G=spec.groups(K),
+                                                     scale_dtype=kw["scale_dtype"])))
+    for ci, (xs, c) in enumerate(zip(chunks, consts)):
+        jobs[("fwd", ci)] = (forward, (p, S(xs.shape, f32), *c), {})
+    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="amdllm-compile")
+    futures = {key: pool.submit(lambda f=f, a=a, k=k: f.lower(*a, **k).compile())
+               for key, (f, a, k) in jobs.items()}
+    pool.shutdown(wait=False)
+    return futures
+
+
+def _ready(futures: dict, *keys) -> None:
+    for key in keys:
+        f = futures.pop(key, None)
+        if f is not None:
+            try:
+                f.result()
+            except Exception:  # noqa: BLE001 -- a shape this guess got wrong compiles on first call
+                pass
+
+
 def quantize_model(model, windows, spec, *, method: str = "gptq", batch_size: int = 8,
                    progress: bool = True, report: bool = True):
     """Quantize every projection of `model` (dense, float) in place -> (model, rows).
@@ -125,7 +175,10 @@ def quantize_model(model, windows, spec, *, method: str = "gptq", batch_size: in
     L = cfg.num_hidden_layers
     packed = {proj: [] for proj in M.PROJECTIONS}
     rows = []
-    second_moments, forward, layer_params, hessian, rope_mask = _calibration_fns(json.dumps(cfg.to_dict(), sort_keys=True))
+    fns = _calibration_fns(json.dumps(cfg.to_dict(), sort_keys=True))
+    second_moments, forward, layer_params, hessian, rope_mask = fns
+    chunks = consts = None
+    ntok = 0
     if method == "gptq":
         windows = np.asarray(windows, np.int32)
         n, T = windows.shape
@@ -148,35 +201,47 @@ def quantize_model(model, windows, spec, *, method: str = "gptq", batch_size: in
 
         # RoPE tables and mask sliced to each chunk's batch once, not per group and layer
         consts = [(cos[:xs.shape[1]], sin[:xs.shape[1]], mask[:xs.shape[1]]) for xs in chunks]
+        ntok = n * T
 
-    bar = tqdm(total=L * 7, desc=f"{method} {spec.bits}-bit", disable=not progress)
-    for li in range(L):
-        p, Wt = layer_params(layers, li)                       # Wt: kernels as the reference's [N, K]
-        for grp in (SEQUENTIAL if spec.true_sequential else (M.PROJECTIONS,)):
-            if method == "gptq":
-                Hs = {INPUT_OF[g]: np.zeros((p[g].shape[0],) * 2, np.float32) for g in grp}
-                for xs, c in zip(chunks, consts):
-                    Hs = second_moments(p, xs, Hs, *c)
-                ntok = n * T
-                Hs = {k: hessian(h, jnp.float32(ntok)) for k, h in Hs.items()}
-            for proj in grp:
-                W = Wt[proj]                                       # ours [K, N] -> reference [N, K]
-                where = f"layer {li} {proj}"
+    groups = SEQUENTIAL if spec.true_sequential else (M.PROJECTIONS,)
+    futures = (_compile_ahead(fns, spec, layers, chunks, consts, groups, report) if method == "gptq" else {})
+    try:
+        bar = tqdm(total=L * 7, desc=f"{method} {spec.bits}-bit", disable=not progress)
+        for li in range(L):
+            _ready(futures, "layer_params")
+            p, Wt = layer_params(layers, li)                       # Wt: kernels as the reference's [N, K]
+            for gi, grp in enumerate(groups):
                 if method == "gptq":
-                    H = Hs[INPUT_OF[proj]]
-                    res = gptq_quantize(W, H, spec, where=where)
-                    if report:  # H / 2: the raw second moment
-                        e_gptq, e_rtn = errors_vs_rtn(W, res.Q, H, spec, h_scale=0.5)
-                        rows.append({"layer": li, "proj": proj, "gptq_err": e_gptq, "rtn_err": e_rtn,
-                                     "damp": res.damp})
-                else:
-                    res = rtn_quantize(W, spec)
-                p[proj] = jax.device_put(np.ascontiguousarray(res.Q.T))  # later groups/layers see quantized
-                packed[proj].append(res)
-                bar.update(1)
-        if method == "gptq":  # the quantized layer's outputs are the next layer's inputs
-            chunks = [forward(p, xs, *c) for xs, c in zip(chunks, consts)]
-    bar.close()
+                    Hs = {INPUT_OF[g]: np.zeros((p[g].shape[0],) * 2, np.float32) for g in grp}
+                    for ci, (xs, c) in enumerate(zip(chunks, consts)):
+                        _ready(futures, ("sm", gi, ci))
+                        Hs = second_moments(p, xs, Hs, *c)
+                    _ready(futures, *{("hess", h.shape[0]) for h in Hs.values()})
+                    Hs = {k: hessian(h, jnp.float32(ntok)) for k, h in Hs.items()}
+                for proj in grp:
+                    W = Wt[proj]                                       # ours [K, N] -> reference [N, K]
+                    where = f"layer {li} {proj}"
+                    if method == "gptq":
+                        H = Hs[INPUT_OF[proj]]
+                        N, K = W.shape
+                        _ready(futures, ("mend", K), ("core", N, K), ("err", N, K))
+                        res = gptq_quantize(W, H, spec, where=where)
+                        if report:  # H / 2: the raw second moment
+                            e_gptq, e_rtn = errors_vs_rtn(W, res.Q, H, spec, h_scale=0.5)
+                            rows.append({"layer": li, "proj": proj, "gptq_err": e_gptq, "rtn_err": e_rtn,
+                                         "damp": res.damp})
+                    else:
+                        res = rtn_quantize(W, spec)
+                    p[proj] = jax.device_put(np.ascontiguousarray(res.Q.T))  # later groups/layers see quantized
+                    packed[proj].append(res)
+                    bar.update(1)
+            if method == "gptq":  # the quantized layer's outputs are the next layer's inputs
+                _ready(futures, *[("fwd", ci) for ci in range(len(chunks))])
+                chunks = [forward(p, xs, *c) for xs, c in zip(chunks, consts)]
+        bar.close()
+    finally:  # an error mid-way: do not leave compiles queued
+        for f in futures.values():
+            f.cancel()
     _install(model, packed, spec.bits)
     return model, rows
 

@@ -202,7 +202,8 @@ def save_quantized(model, path, quant_config: dict, *, tokenizer_from=None) -> P
     fmt, bits = quant_config["checkpoint_format"], quant_config["bits"]
     # to numpy first (no copy on the CPU): indexing the JAX arrays per layer compiled a slice per shape
     layers = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model.layers)))
-    t = {"model.embed_tokens.weight": np.asarray(model.embed_tokens[...]), "model.norm.weight": np.asarray(model.norm[...])}
+    t = {"model.embed_tokens.weight": np.asarray(model.embed_tokens[...]),
+         "model.norm.weight": np.asarray(model.norm[...])}
     if hasattr(model, "lm_head"):
         t["lm_head.weight"] = np.asarray(model.lm_head[...]).T  # ours [D, V] -> HF [V, D]
     for i in range(cfg.num_hidden_layers):
