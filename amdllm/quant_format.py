@@ -220,7 +220,8 @@ def save_quantized(model, path, quant_config: dict, *, tokenizer_from=None) -> P
             t[_hf(i, proj) + ".scales"] = np.asarray(v["scales"][i], np.float16)
             t[_hf(i, proj) + ".g_idx"] = np.asarray(v["g_idx"][i], np.int32)
     # C order: astype keeps a transposed view's Fortran layout, and safetensors writes memory order
-    t = {k: np.ascontiguousarray(np.asarray(v).astype(np.float16) if np.asarray(v).dtype.kind == "f"
+    # (jnp.issubdtype: bfloat16 is a float too, though numpy files it under kind "V")
+    t = {k: np.ascontiguousarray(np.asarray(v).astype(np.float16) if jnp.issubdtype(np.asarray(v).dtype, jnp.floating)
                                  and not k.endswith("scales") else v) for k, v in t.items()}
     path.mkdir(parents=True, exist_ok=True)
     with atomic_path(path / "model.safetensors") as tmp:

@@ -256,3 +256,18 @@ def test_quantize_cli_then_eval(tmp_path, capsys):
     assert cli.main(bad + ["--json"]) == 2  # default group size 128 on in_features 64
     assert "group_size 128 does not divide in_features 64" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
+
+
+def test_bfloat16_model_saves_float16_tensors(tmp_path):
+    """The quantized checkpoint declares float16: a bfloat16 model's embeddings, norms and head are cast
+    (numpy files bfloat16 under kind "V", which an `is float` test by kind missed)."""
+    spec = gptq.QuantSpec(bits=4, group_size=32)
+    _, _, model, _ = _quantized_tiny(tmp_path, spec)
+    for name in ("embed_tokens", "norm", "lm_head"):
+        getattr(model, name).value = getattr(model, name)[...].astype(jnp.bfloat16)
+    model.layers.input_layernorm.value = model.layers.input_layernorm[...].astype(jnp.bfloat16)
+    out = gptq.save_quantized(model, tmp_path / "q", qf.quant_config_dict(4, 32, True, False))
+    t = load_file(out / "model.safetensors")
+    for k in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
+              "model.layers.1.input_layernorm.weight"):
+        assert t[k].dtype == np.float16, k
