@@ -383,9 +383,13 @@ def errors_vs_rtn(W, Q, H, spec: QuantSpec, scale_dtype=jnp.float16, h_scale: fl
     third of the whole run."""
     W, Q, H = (jax.device_put(np.asarray(a, np.float32)) if isinstance(a, np.ndarray) else
                jnp.asarray(a, jnp.float32) for a in (W, Q, H))
-    e = _errors_vs_rtn(W, Q, H, jnp.float32(h_scale), maxq=spec.maxq, sym=spec.sym, G=spec.groups(W.shape[1]),
-                       scale_dtype=jnp.dtype(scale_dtype).name)
+    e = _errors_vs_rtn(W, Q, H, jnp.float32(h_scale), **errors_kwargs(spec, W.shape[1], scale_dtype))
     return float(e[0]), float(e[1])
+
+
+def errors_kwargs(spec: QuantSpec, K: int, scale_dtype=jnp.float16) -> dict:
+    """The static settings `_errors_vs_rtn` is compiled for, in_features K (also gptq_calib's compile-ahead)."""
+    return dict(maxq=spec.maxq, sym=spec.sym, G=spec.groups(K), scale_dtype=jnp.dtype(scale_dtype).name)
 
 
 from amdllm.gptq_calib import (add_cli, calibration_windows, paper_bytes, quantize_model,  # noqa: E402,F401

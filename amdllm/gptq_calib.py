@@ -132,9 +132,7 @@ def _compile_ahead(fns, spec, layers, chunks, consts, groups, report: bool) -> d
                                                                S((K,), jnp.int32)), kw))
             if report:
                 jobs.setdefault(("err", N, K), (gptq._errors_vs_rtn, (S((N, K), f32), S((N, K), f32), S((K, K), f32),
-                                                                       f32(1)),
-                                                dict(maxq=spec.maxq, sym=spec.sym, G=spec.groups(K),
-                                                     scale_dtype=kw["scale_dtype"])))
+                                                                       f32(1)), gptq.errors_kwargs(spec, K)))
     for ci, (xs, c) in enumerate(zip(chunks, consts)):
         jobs[("fwd", ci)] = (forward, (p, S(xs.shape, f32), *c), {})
     pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="amdllm-compile")
