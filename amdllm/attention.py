@@ -3,7 +3,6 @@
 Two functions with the same contract, q [B,T,H,hd], k/v [B,S,Hkv,hd], mask [B,T,S] bool -> [B,T,H,hd]:
 
   * `attention`: the textbook one. Scores [B, Hkv, G, T, S] in float32, masked, softmax, weighted sum.
-    Used with a KV cache (decoding), where query t sees cache slots the mask says are written.
   * `causal_attention`: the same numbers when query t can only see keys s <= t (S == T: training,
     evaluation, a prefill without cache), computed in query blocks that skip the key blocks above the
     diagonal (by default 4 query blocks: 10 of 16 score blocks, 62% of the work) and with a hand-written
@@ -11,6 +10,12 @@ Two functions with the same contract, q [B,T,H,hd], k/v [B,S,Hkv,hd], mask [B,T,
     backward recomputes the probabilities from q and k. Autodiff of the textbook version saves the
     float32 probabilities, [B, H, T, S] per layer, which `lax.scan` over layers stacks (zero-filled
     and copied in and out every step); on a 2-core CPU that bookkeeping cost more than recomputing.
+
+`cached_attention` is `attention` over a KV cache laid out head-major, k/v [B, Hkv, S, hd] (decoding),
+where query t sees the cache slots the mask says are written. In that layout each (batch, kv head) pair's
+keys are one contiguous [S, hd] matrix, the operand a batched matmul wants; with the slot axis first, XLA
+transposes the whole cache into that form in every layer of every decode step (31M model, batch 8: ~35%
+of the attention time).
 
 The mask still applies inside the computed blocks (packed sequences, padding). A query row whose keys
 are all masked (a padding position) gets uniform weights over the keys of its block range instead of
@@ -42,6 +47,22 @@ def attention(q, k, v, mask):
     probs = jax.nn.softmax(_scores(q, k, mask), axis=-1).astype(v.dtype)  # float32 softmax
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
     return out.reshape(B, T, H, hd)
+
+
+def cached_attention(q, k, v, mask):
+    """q [B,T,H,hd], k/v [B,Hkv,S,hd] (a head-major cache), mask [B,T,S] bool -> [B,T,H,hd]."""
+    B, T, H, hd = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    G = H // Hkv
+    # One batched matmul per (batch, kv head) over rows = its G query heads x T positions. Written as
+    # 4-D matmuls on purpose: XLA:CPU runs the 5-D einsum of `attention` ~1.3x slower at decode shapes.
+    qg = q.reshape(B, T, Hkv, G, hd).transpose(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, hd)
+    qg = qg * jnp.asarray(1 / math.sqrt(hd), q.dtype)
+    s = jnp.einsum("bkrd,bksd->bkrs", qg, k, preferred_element_type=jnp.float32)  # [B, Hkv, G*T, S]
+    s = jnp.where(mask[:, None, None, :, :], s.reshape(B, Hkv, G, T, S), NEG_INF)
+    probs = jax.nn.softmax(s, axis=-1).astype(v.dtype).reshape(B, Hkv, G * T, S)
+    out = jnp.einsum("bkrs,bksd->bkrd", probs, v)                                   # [B, Hkv, G*T, hd]
+    return out.reshape(B, Hkv, G, T, hd).transpose(0, 3, 1, 2, 4).reshape(B, T, H, hd)
 
 
 def query_blocks(T: int, block: int) -> list[tuple[int, int]]:

@@ -100,7 +100,7 @@ class TextStream:
         return delta
 
 
-# A cache part is stacked [L, B, S, Hkv, hd] or per-layer, a tuple of [B, S, Hkv, hd]: the same edits on both
+# A cache part is stacked [L, B, Hkv, S, hd] or per-layer, a tuple of [B, Hkv, S, hd]: the same edits on both
 def _row_of(c, row):
     if isinstance(c, tuple):
         return tuple(jax.lax.dynamic_slice_in_dim(x, row, 1, axis=0) for x in c)
@@ -114,7 +114,7 @@ def _put_row(c, sub, row):
 
 
 def _roll_slots(c, m):
-    return tuple(jnp.roll(x, m, axis=1) for x in c) if isinstance(c, tuple) else jnp.roll(c, m, axis=2)
+    return tuple(jnp.roll(x, m, axis=2) for x in c) if isinstance(c, tuple) else jnp.roll(c, m, axis=3)
 
 
 class Engine:
@@ -187,7 +187,7 @@ class Engine:
             valid = jnp.roll(cache.valid, -m, axis=1) & (jnp.arange(S) < S - m)[None]
             return KVCache(_roll_slots(cache.k, -m), _roll_slots(cache.v, -m), valid)
 
-        # the cache is donated: XLA may update it in place instead of copying [L, B, S, Hkv, hd] twice a
+        # the cache is donated: XLA may update it in place instead of copying [L, B, Hkv, S, hd] twice a
         # step (jax 0.10's CPU client implements donation too)
         self._prefill = jax.jit(prefill, donate_argnums=(2,))
         self._step = jax.jit(step, donate_argnums=(2,), compiler_options=decode_compiler_options())

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from amdllm.attention import NEG_INF, attention, causal_attention  # noqa: F401 (re-exported)
+from amdllm.attention import NEG_INF, attention, cached_attention, causal_attention  # noqa: F401 (re-exported)
 from amdllm.config import LlamaConfig
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -103,14 +103,15 @@ class Llama(nnx.Module):
 # Pure functions over arrays
 # --------------------------------------------------------------------------------------------------
 class KVCache(NamedTuple):
-    k: Any            # [L, B, S, Hkv, hd], or a tuple of L [B, S, Hkv, hd] (per-layer, see `forward`)
+    k: Any            # [L, B, Hkv, S, hd], or a tuple of L [B, Hkv, S, hd] (per-layer, see `forward`);
+    #                   head-major: each (batch, kv head)'s keys are one [S, hd] matrix (`cached_attention`)
     v: Any            # like k
     valid: jax.Array  # [B, S] bool: slot holds a real (non-padding) token
 
 
 def init_cache(cfg: LlamaConfig, batch: int, max_len: int, dtype=jnp.float32, per_layer: bool = False
                ) -> KVCache:
-    shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+    shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
     valid = jnp.zeros((batch, max_len), bool)
     if per_layer:
         L = cfg.num_hidden_layers
@@ -289,13 +290,14 @@ def decoder_layer(cfg, p, x, cos, sin, mask, kv=None, cache_index=None, *, lora_
     q, k, v = q.reshape(B, T, H, hd), k.reshape(B, T, Hkv, hd), v.reshape(B, T, Hkv, hd)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if kv is not None:  # write the new keys/values into the cache, attend over all its slots
-        ck, cv = kv
-        k = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, cache_index, 0, 0))
-        v = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, cache_index, 0, 0))
+        ck, cv = kv  # [B, Hkv, S, hd]
+        k = jax.lax.dynamic_update_slice(ck, k.swapaxes(1, 2).astype(ck.dtype), (0, 0, cache_index, 0))
+        v = jax.lax.dynamic_update_slice(cv, v.swapaxes(1, 2).astype(cv.dtype), (0, 0, cache_index, 0))
         kv = (k, v)
-        k, v = k.astype(x.dtype), v.astype(x.dtype)
-    # no cache: query t sees keys s <= t only, so the blocks above the diagonal are skipped
-    a = (attention(q, k, v, mask) if kv is not None else causal_attention(q, k, v, mask)).reshape(B, T, H * hd)
+        a = cached_attention(q, k.astype(x.dtype), v.astype(x.dtype), mask)
+    else:  # no cache: query t sees keys s <= t only, so the blocks above the diagonal are skipped
+        a = causal_attention(q, k, v, mask)
+    a = a.reshape(B, T, H * hd)
     x = x + _proj(p, "o_proj", a, lora_scale, lora_dropout, rng, 3)
     h = rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps)
     F = cfg.intermediate_size

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from amdllm.attention import attention, causal_attention, query_blocks
+from amdllm.attention import attention, cached_attention, causal_attention, query_blocks
 from amdllm.model import swiglu, swiglu2
 
 
@@ -40,6 +40,19 @@ def test_causal_attention_skips_blocks_above_the_diagonal():
     res = jax.vjp(lambda q, k, v: causal_attention(q, k, v, mask, block=4), q, k, v)[1]
     sizes = [x.size for x in jax.tree.leaves(res) if hasattr(x, "size")]
     assert max(sizes) <= q.size, sizes
+
+
+@pytest.mark.parametrize("T", [1, 3])  # a decode step; a prefill chunk of several queries
+def test_cached_attention_reads_a_head_major_cache(T):
+    q, k, v, _, _, _ = _inputs(T=16)
+    S, q = k.shape[1], q[:, -T:]
+    rng = np.random.default_rng(1)
+    valid = rng.random((2, S)) < 0.8
+    valid[:, 0] = True  # every query row sees at least one slot
+    mask = jnp.asarray(np.broadcast_to(valid[:, None, :], (2, T, S)))
+    ref = attention(q, k, v, mask)  # slot-major k/v [B, S, Hkv, hd]
+    got = cached_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-6)
 
 
 def test_swiglu_gradients():
