@@ -220,6 +220,11 @@ def test_forward_takes_per_layer_weights_and_either_cache_layout(models):
             logits, cache = forward(cfg, top, w, toks[:, :8], cache=cache, cache_index=0)
             step, cache = forward(cfg, top, w, toks[:, 8:], cache=cache, cache_index=8)
             assert isinstance(cache.k, tuple) == (c_name == "per_layer"), (w_name, c_name)
+            # head-major [B, Hkv, S, hd] per layer; the 9 tokens went to slots 0..8 and nowhere else
+            k0 = np.asarray(cache.k[0])
+            assert k0.shape == (2, cfg.num_key_value_heads, 16, cfg.head_dim), k0.shape
+            written = np.abs(k0).sum(axis=(0, 1, 3)) > 0
+            assert written[:9].all() and not written[9:].any(), written
             outs[w_name, c_name] = np.asarray(step[:, 0])
     for v in outs.values():
         np.testing.assert_allclose(v, np.asarray(want[:, 8]), atol=5e-5, rtol=0)
