@@ -3,6 +3,7 @@
 Two functions with the same contract, q [B,T,H,hd], k/v [B,S,Hkv,hd], mask [B,T,S] bool -> [B,T,H,hd]:
 
   * `attention`: the textbook one. Scores [B, Hkv, G, T, S] in float32, masked, softmax, weighted sum.
+    The reference the others are tested against (tests/test_attention.py); the model calls those.
   * `causal_attention`: the same numbers when query t can only see keys s <= t (S == T: training,
     evaluation, a prefill without cache), computed in query blocks that skip the key blocks above the
     diagonal (by default 4 query blocks: 10 of 16 score blocks, 62% of the work) and with a hand-written

@@ -49,7 +49,8 @@ def test_cached_attention_reads_a_head_major_cache(T):
     rng = np.random.default_rng(1)
     valid = rng.random((2, S)) < 0.8
     valid[:, 0] = True  # every query row sees at least one slot
-    mask = jnp.asarray(np.broadcast_to(valid[:, None, :], (2, T, S)))
+    # query t (written at slot S-T+t) sees the valid slots up to its own: the mask differs per query row
+    mask = jnp.asarray(valid[:, None, :] & (np.arange(S)[None, :] <= S - T + np.arange(T)[:, None])[None])
     ref = attention(q, k, v, mask)  # slot-major k/v [B, S, Hkv, hd]
     got = cached_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-6)
