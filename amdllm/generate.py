@@ -11,7 +11,8 @@ How a batch of prompts is laid out (and why batched results equal single-prompt 
     decode step once per (batch, cache length), not once per prompt length.
   * The decode loop is a Python loop over the jitted step: it streams (`Decoder.stream` yields each
     step's new token per row, which the server needs) and stops as soon as every row has finished.
-    Finished rows keep emitting `pad_id` (cut from the results).
+    It is pipelined: the next step is dispatched before this step's tokens are read on the host.
+    Finished rows keep decoding (rows never mix) and their tokens are cut from the results.
 Parameters go into jit as pure arrays (`to_pure`), so changing the weights (LoRA training, loading
 another checkpoint of the same shape) never retraces.
 """
@@ -215,21 +216,28 @@ class Decoder:
         step_layers = layers if views is None else views
         done = np.zeros(B, bool)
         eos = np.array(self.eos_ids, np.int64)
-        # host arrays into the step: jit copies them in; eager jnp ops here would each cost a dispatch
-        # (~0.5 ms a step apiece, 5-10% of a batch-1 step on a CPU)
+        # Pipelined: step i+1 is dispatched (asynchronously) on step i's tokens while they are still on
+        # the device, and only then are step i's tokens read back, checked for EOS and yielded, so the
+        # host's work overlaps the next step instead of idling the device between steps. A finished row
+        # keeps decoding its own tokens (rows never mix, so the others are unaffected); they are dropped
+        # here. When every row has finished, one step already dispatched is discarded.
+        # The positions stay numpy: eager jnp ops here would each cost a dispatch (~0.5 ms a step).
         pos = lens.astype(np.int32)  # next RoPE position per row = its real prompt length
         for i in range(max_new_tokens):
+            nxt = None
+            if i < max_new_tokens - 1:
+                nxt = self.step(top, step_layers, tok, pos, cache, P + i, i + 1, key, temp, tp)
+                cache = nxt[2]
+                pos = pos + 1  # numpy
             host = np.asarray(tok)
             out = [None if d else int(t) for d, t in zip(done, host)]
             self.times.append(time.perf_counter())
             self.counts.append(sum(t is not None for t in out))
             done = done | np.isin(host, eos)
             yield (out, logits) if return_logits else out
-            if done.all() or i == max_new_tokens - 1:
+            if done.all() or nxt is None:
                 return
-            tok = np.where(done, self.pad_id, host).astype(np.int32)
-            tok, logits, cache = self.step(top, step_layers, tok, pos, cache, P + i, i + 1, key, temp, tp)
-            pos = pos + 1  # numpy
+            tok, logits = nxt[0], nxt[1]
 
     def tokens_per_second(self) -> float:
         """Steady decode throughput of the last `stream`, all rows together: tokens from the third step
