@@ -3,7 +3,7 @@
 The default model is committed in `data/default_model/`: a small Llama (GQA, untied head) trained
 from scratch on `data/corpus_train.txt` with one jitted full-parameter AdamW step, saved as a normal
 Hugging Face checkpoint directory with the course tokenizer, a generation_config.json and a
-build_report.json that records the recipe's hash and the weights' sha256. Training it takes ~26
+build_report.json that records the recipe's hash and the weights' sha256. Training it takes ~20
 minutes on 2 CPU cores (1500 steps: long enough that it learns to copy words from its context, which
 the course task needs), so it is committed rather than built on first use.
 
@@ -376,7 +376,7 @@ def main(argv=None) -> int:
     p.add_argument("action", choices=["build", "path", "data"], help="build: (re)build and report; "
                    "path: print the model directory (building if needed); data: regenerate data/")
     p.add_argument("--force", action="store_true", help="rebuild into the cache even if a model exists there "
-                   "(~26 min on 2 cores); the report says whether the weights match the committed ones")
+                   "(~20 min on 2 cores); the report says whether the weights match the committed ones")
     p.add_argument("--commit", action="store_true", help="rebuild from the recipe into data/default_model/")
     args = p.parse_args(argv)
     if args.action == "data":

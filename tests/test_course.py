@@ -1,6 +1,6 @@
 """The course data, its tokenizer and the embedded default model (amdllm.corpus/tokenizer/course).
 
-The default model is committed in data/default_model/ (its recipe takes ~26 CPU-minutes); these tests
+The default model is committed in data/default_model/ (its recipe takes ~20 minutes on 2 cores); these tests
 check that it is today's recipe's build, that the recipe is deterministic, and what the model learned.
 """
 import json
