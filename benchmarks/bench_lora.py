@@ -9,7 +9,10 @@ of medians and the ratio per round.
 MFU = tokens/s * FLOPs/token / peak. FLOPs/token is the planner's LoRA count (amdllm.plan):
 4N + 12*L*S*q + 6*L*r*sum(in+out), N = matmul parameters (lm_head included): forward 2N plus
 activation gradients 2N, NO frozen weight gradients. Peak: the planner's table on accelerators; on a
-CPU the measured float32 matmul rate of this machine (best of 5 1024^3 matmuls).
+CPU the measured float32 matmul rate of this machine (best of 5 1024^3 matmuls), measured in every
+round right after amdllm's timed step: on a shared VM that rate jumps between ~75 and ~135 GFLOP/s from
+one second to the next, so one measurement at the end says more about that second than about the run.
+The MFU reported is the median over rounds of (that round's step FLOP/s / that round's peak).
 
     python benchmarks/bench_lora.py            # the 31M shape of reference/cpu_performance_notes.md
     python benchmarks/bench_lora.py --json --steps 3 --hidden 256 --layers 4 --vocab 4096   # quicker
@@ -112,16 +115,22 @@ def run_alternating(a, data):
     runs steps back to back and 1.2-1.4 s right after a PEFT step (the host reclaims freed pages); training
     never switches frameworks between steps. The untimed re-entry steps are reported too ("reentry_*").
     The first round is warm-up (compile, allocator). Returns {side: (timed s, re-entry s, final loss)}, the
-    FLOPs/token and the config."""
+    FLOPs/token, the config and the peak FLOP/s per timed round (see the module doc; None when the
+    peak is not measured: an accelerator, or $AMDLLM_PEAK_FLOPS)."""
+    from amdllm import plan, train
     j_step, flops, cfg = bench_amdllm(a)
     sides = {"amdllm": j_step, "peft": bench_peft(a)}
-    times, reentry, losses = {k: [] for k in sides}, {k: [] for k in sides}, {}
+    per_round = not os.environ.get("AMDLLM_PEAK_FLOPS") and train.accelerator_name() == "cpu"
+    times, reentry, losses, peaks = {k: [] for k in sides}, {k: [] for k in sides}, {}, []
     for w0, w1 in zip(data[0::2], data[1::2]):
         for name, step in sides.items():
             reentry[name].append(step(w0)[0])
             dt, losses[name] = step(w1)
             times[name].append(dt)
-    return {k: (times[k][1:], reentry[k][1:], losses[k]) for k in sides}, flops, cfg
+            if name == "amdllm" and per_round:
+                peaks.append(plan.measure_cpu_flops.__wrapped__())  # uncached: this round's rate
+    return ({k: (times[k][1:], reentry[k][1:], losses[k]) for k in sides}, flops, cfg,
+            peaks[1:] if per_round else None)
 
 
 def main(argv=None) -> int:
@@ -144,11 +153,17 @@ def main(argv=None) -> int:
 
     from amdllm import train
     data = batches(a, 2 * (a.steps + 1))
-    sides, flops, cfg = run_alternating(a, data)
+    sides, flops, cfg, peaks = run_alternating(a, data)
     (j_times, j_re, j_loss), (t_times, t_re, t_loss) = sides["amdllm"], sides["peft"]
-    peak = train.peak_flops()
     tokens = a.batch * a.seq
     j_step, t_step = statistics.median(j_times), statistics.median(t_times)
+    if peaks:  # MFU per round against the peak measured in that round, then the median
+        peak = statistics.median(peaks)
+        j_mfu = statistics.median(tokens / t * flops / p for t, p in zip(j_times, peaks))
+        t_mfu = statistics.median(tokens / t * flops / p for t, p in zip(t_times, peaks))
+    else:
+        peak = train.peak_flops()
+        j_mfu, t_mfu = tokens / j_step * flops / peak, tokens / t_step * flops / peak
     res = {
         "shape": {"params": cfg.num_params(), "hidden": a.hidden, "layers": a.layers, "heads": a.heads,
                   "kv_heads": a.kv_heads, "mlp": a.mlp, "vocab": a.vocab},
@@ -156,12 +171,13 @@ def main(argv=None) -> int:
         "device": jax.devices()[0].device_kind, "accelerator": train.accelerator_name(),
         "cpu_count": os.cpu_count(),
         "flops_per_token": flops, "flops_formula": "4N + 12*L*S*q + 6*L*r*sum(in+out) (no frozen weight grads)",
-        "peak_flops": peak,
+        "peak_flops": peak, "peak_flops_per_round": peaks,
+        "peak_method": "measured 1024^3 float32 matmul, each round" if peaks else "table or $AMDLLM_PEAK_FLOPS",
         "amdllm": {"step_seconds": j_step, "tokens_per_second": tokens / j_step,
-                   "mfu": tokens / j_step * flops / peak, "step_seconds_all": j_times,
+                   "mfu": j_mfu, "step_seconds_all": j_times,
                    "reentry_step_seconds": statistics.median(j_re), "final_loss": j_loss},
         "peft": {"step_seconds": t_step, "tokens_per_second": tokens / t_step,
-                 "mfu": tokens / t_step * flops / peak, "step_seconds_all": t_times,
+                 "mfu": t_mfu, "step_seconds_all": t_times,
                  "reentry_step_seconds": statistics.median(t_re), "final_loss": t_loss},
         "torch_threads": __import__("torch").get_num_threads(),
     }
