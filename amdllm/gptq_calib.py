@@ -2,9 +2,11 @@
 
 Outer loop as in the reference (`llama.py::llama_sequential`, anchors 1.1): embed the calibration
 windows once, then for each decoder layer accumulate every linear's input second moment
-H = 2/n sum x x^T (float32, streamed batch by batch, never holding all activations of a linear), quantize
-the layer's linears (true-sequential: q,k,v -> o -> gate,up -> down, each group seeing the earlier
-groups already quantized), and feed the *quantized* layer's outputs to the next layer.
+H = 2/n sum x x^T (float32, streamed batch by batch: the inputs of a linear other than the attention
+output are never all held at once), quantize the layer's linears (true-sequential: q,k,v -> o -> gate,up
+-> down, each group seeing the earlier groups already quantized), and feed the *quantized* layer's
+outputs to the next layer. The attention output is computed once per layer, after q/k/v are quantized,
+and kept for the later groups (`attention_plan`).
 """
 from __future__ import annotations
 
@@ -26,23 +28,49 @@ from amdllm.quant_format import QuantLinear, quant_config_dict, save_quantized
 INPUT_OF = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "o_proj": "o_in",
             "gate_proj": "mlp_in", "up_proj": "mlp_in", "down_proj": "down_in"}
 SEQUENTIAL = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+ATTN_INPUTS = ("q_proj", "k_proj", "v_proj")  # what the attention output depends on
 
 
-def layer_with_inputs(cfg, p, x, cos, sin, mask):
-    """model.decoder_layer, also returning each projection's input (tests check it equals the model's)."""
+def layer_with_inputs(cfg, p, x, cos, sin, mask, attn=None):
+    """model.decoder_layer, also returning each projection's input (tests check it equals the model's).
+
+    attn: this x's attention output [B, T, H*hd] (the o_proj input) when already known: q/k/v and
+    attention are then not computed again (true-sequential calibration reuses it for the groups after
+    o_proj, whose inputs q/k/v no longer change)."""
     B, T, _ = x.shape
     hd, H, Hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     h = M.rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps)
-    q = M.linear(h, p["q_proj"]).reshape(B, T, H, hd)
-    k = M.linear(h, p["k_proj"]).reshape(B, T, Hkv, hd)
-    v = M.linear(h, p["v_proj"]).reshape(B, T, Hkv, hd)
-    q, k = M.apply_rope(q, cos, sin), M.apply_rope(k, cos, sin)
-    a = M.causal_attention(q, k, v, mask).reshape(B, T, H * hd)  # calibration windows: causal, no cache
-    x = x + M.linear(a, p["o_proj"])
+    if attn is None:
+        q = M.linear(h, p["q_proj"]).reshape(B, T, H, hd)
+        k = M.linear(h, p["k_proj"]).reshape(B, T, Hkv, hd)
+        v = M.linear(h, p["v_proj"]).reshape(B, T, Hkv, hd)
+        q, k = M.apply_rope(q, cos, sin), M.apply_rope(k, cos, sin)
+        attn = M.causal_attention(q, k, v, mask).reshape(B, T, H * hd)  # calibration windows: causal, no cache
+    x = x + M.linear(attn, p["o_proj"])
     h2 = M.rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps)
     mid = jax.nn.silu(M.linear(h2, p["gate_proj"])) * M.linear(h2, p["up_proj"])
     x = x + M.linear(mid, p["down_proj"])
-    return x, {"attn_in": h, "o_in": a, "mlp_in": h2, "down_in": mid}
+    return x, {"attn_in": h, "o_in": attn, "mlp_in": h2, "down_in": mid}
+
+
+def attention_plan(groups) -> tuple[list[tuple[bool, bool]], bool]:
+    """Which calibration passes can reuse the layer's attention output -> ([(reuse, keep)] per group,
+    forward reuses).
+
+    The attention output (o_proj's input) depends on q/k/v only. The first pass that computes it after
+    the last of q/k/v is quantized keeps it (`keep`), and every later pass of the layer reads it
+    (`reuse`) instead of computing q/k/v and attention again: with true-sequential groups, attention is
+    computed once per layer instead of four times (o, gate/up, down, the forward to the next layer),
+    at the cost of holding one more activation array (the size of the layer's input when H*hd = D).
+    Without true-sequential (one group of all seven), q/k/v change after the only pass: nothing reused."""
+    plan, have = [], False
+    for grp in groups:
+        need = {INPUT_OF[g] for g in grp}
+        reuse = have
+        keep = not have and bool(need - {"attn_in"}) and not any(g in ATTN_INPUTS for g in grp)
+        plan.append((reuse, keep))
+        have = (have or keep) and not any(g in ATTN_INPUTS for g in grp)
+    return plan, have
 
 
 def calibration_windows(token_ids, samples: int, seq_len: int, seed: int = 0) -> np.ndarray:
@@ -74,19 +102,27 @@ def _calibration_fns(cfg_json: str):
     from amdllm.config import LlamaConfig
     cfg = LlamaConfig.from_dict(json.loads(cfg_json))
 
-    @jax.jit
-    def second_moments(p, xs, Hs, cos, sin, mask):  # Hs + sum over the chunk of x x^T, for each input in Hs
-        # only Hs leaves the loop, so tracing drops what those inputs do not need (e.g. the whole
-        # layer but the first norm for q/k/v): true-sequential groups do not pay a full forward each
-        def step(Hs, x):
-            ins = layer_with_inputs(cfg, p, x, cos, sin, mask)[1]
+    @functools.partial(jax.jit, static_argnames=("keep",))
+    def second_moments(p, xs, attn, Hs, cos, sin, mask, keep=False):
+        """Hs + sum over the chunk of x x^T, for each input in Hs -> (Hs, the chunk's attention
+        outputs if keep, else None). attn: those outputs when known (`attention_plan`), else None."""
+        # only Hs (and attn if kept) leave the loop, so tracing drops what those inputs do not need
+        # (e.g. the whole layer but the first norm for q/k/v): true-sequential groups do not pay a
+        # full forward each
+        def step(Hs, xa):
+            ins = layer_with_inputs(cfg, p, xa[0], cos, sin, mask, attn=xa[1])[1]
             return {k: h + ins[k].reshape(-1, h.shape[0]).T @ ins[k].reshape(-1, h.shape[0])
-                    for k, h in Hs.items()}, None
-        return jax.lax.scan(step, Hs, xs)[0]
+                    for k, h in Hs.items()}, (ins["o_in"] if keep else None)
+        return jax.lax.scan(step, Hs, (xs, attn))  # attn None: an empty pytree, x alone
 
-    @jax.jit
-    def forward(p, xs, cos, sin, mask):
-        return jax.lax.map(lambda x: layer_with_inputs(cfg, p, x, cos, sin, mask)[0], xs)
+    # the layer's output may take the kept attention outputs' buffer (same shape when H*hd = D): the
+    # loop then holds two activation arrays at a time, as it did before attention was kept
+    same = cfg.num_attention_heads * cfg.head_dim == cfg.hidden_size
+
+    @functools.partial(jax.jit, donate_argnums=(2,) if same else ())
+    def forward(p, xs, attn, cos, sin, mask):
+        return jax.lax.map(lambda xa: layer_with_inputs(cfg, p, xa[0], cos, sin, mask, attn=xa[1])[0],
+                           (xs, attn))
 
     @jax.jit
     def layer_params(layers, li):
@@ -120,10 +156,13 @@ def _compile_ahead(fns, spec, layers, chunks, consts, groups, report: bool) -> d
     p = jax.eval_shape(layer_params, layers, 0)[0]
     jobs = {"layer_params": (layer_params, (layers, 0), {})}
     kw = gptq.core_kwargs(spec)
-    for gi, grp in enumerate(groups):
+    plan, fwd_reuse = attention_plan(groups)
+    attn = lambda xs: S(xs.shape[:-1] + (p["o_proj"].shape[0],), f32)  # noqa: E731 -- [m, b, T, H*hd]
+    for gi, (grp, (reuse, keep)) in enumerate(zip(groups, plan)):
         for ci, (xs, c) in enumerate(zip(chunks, consts)):
             Hs = {INPUT_OF[g]: S((p[g].shape[0],) * 2, f32) for g in grp}
-            jobs[("sm", gi, ci)] = (second_moments, (p, S(xs.shape, f32), Hs, *c), {})
+            jobs[("sm", gi, ci)] = (second_moments, (p, S(xs.shape, f32), attn(xs) if reuse else None, Hs, *c),
+                                    {"keep": keep})
         for g in grp:
             K, N = p[g].shape
             jobs.setdefault(("hess", K), (hessian, (S((K, K), f32), f32(1)), {}))
@@ -134,7 +173,7 @@ def _compile_ahead(fns, spec, layers, chunks, consts, groups, report: bool) -> d
                 jobs.setdefault(("err", N, K), (gptq._errors_vs_rtn, (S((N, K), f32), S((N, K), f32), S((K, K), f32),
                                                                        f32(1)), gptq.errors_kwargs(spec, K)))
     for ci, (xs, c) in enumerate(zip(chunks, consts)):
-        jobs[("fwd", ci)] = (forward, (p, S(xs.shape, f32), *c), {})
+        jobs[("fwd", ci)] = (forward, (p, S(xs.shape, f32), attn(xs) if fwd_reuse else None, *c), {})
     pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="amdllm-compile")
     futures = {key: pool.submit(lambda f=f, a=a, k=k: f.lower(*a, **k).compile())
                for key, (f, a, k) in jobs.items()}
@@ -202,18 +241,22 @@ def quantize_model(model, windows, spec, *, method: str = "gptq", batch_size: in
         ntok = n * T
 
     groups = SEQUENTIAL if spec.true_sequential else (M.PROJECTIONS,)
+    plan, fwd_reuse = attention_plan(groups)
     futures = (_compile_ahead(fns, spec, layers, chunks, consts, groups, report) if method == "gptq" else {})
     try:
         bar = tqdm(total=L * 7, desc=f"{method} {spec.bits}-bit", disable=not progress)
         for li in range(L):
             _ready(futures, "layer_params")
             p, Wt = layer_params(layers, li)                       # Wt: kernels as the reference's [N, K]
-            for gi, grp in enumerate(groups):
+            attn = [None] * len(chunks or ())                     # per chunk, once kept (attention_plan)
+            for gi, (grp, (reuse, keep)) in enumerate(zip(groups, plan)):
                 if method == "gptq":
                     Hs = {INPUT_OF[g]: np.zeros((p[g].shape[0],) * 2, np.float32) for g in grp}
                     for ci, (xs, c) in enumerate(zip(chunks, consts)):
                         _ready(futures, ("sm", gi, ci))
-                        Hs = second_moments(p, xs, Hs, *c)
+                        Hs, a = second_moments(p, xs, attn[ci] if reuse else None, Hs, *c, keep=keep)
+                        if keep:
+                            attn[ci] = a
                     _ready(futures, *{("hess", h.shape[0]) for h in Hs.values()})
                     Hs = {k: hessian(h, jnp.float32(ntok)) for k, h in Hs.items()}
                 for proj in grp:
@@ -235,7 +278,7 @@ def quantize_model(model, windows, spec, *, method: str = "gptq", batch_size: in
                     bar.update(1)
             if method == "gptq":  # the quantized layer's outputs are the next layer's inputs
                 _ready(futures, *[("fwd", ci) for ci in range(len(chunks))])
-                chunks = [forward(p, xs, *c) for xs, c in zip(chunks, consts)]
+                chunks = [forward(p, xs, a if fwd_reuse else None, *c) for xs, a, c in zip(chunks, attn, consts)]
         bar.close()
     finally:  # an error mid-way: do not leave compiles queued
         for f in futures.values():

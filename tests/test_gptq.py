@@ -220,6 +220,48 @@ def test_capture_layer_is_the_model_layer():
     assert ins["down_in"].shape == (2, 8, 64) and ins["o_in"].shape == (2, 8, 32)
 
 
+@pytest.mark.parametrize("true_sequential", [True, False])
+def test_calibration_hessians_match_a_plain_loop(monkeypatch, true_sequential):
+    """quantize_model's passes (chunked, attention computed once per layer and reused by the later
+    groups: `attention_plan`) hand each projection the Hessian of a plain loop: every group's inputs
+    from the whole layer recomputed with the earlier groups already quantized, then the quantized
+    layer's output fed to the next layer."""
+    from flax import nnx
+    from amdllm import gptq_calib as C
+    from amdllm import model as M
+    from amdllm.config import LlamaConfig
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    m = M.Llama(cfg, rngs=nnx.Rngs(0))
+    top, layers = jax.tree.map(np.asarray, M.to_pure(m))  # copies: quantize_model replaces the layers
+    n, T = 10, 16  # one calibration batch of 8 and a remainder of 2
+    windows = np.random.default_rng(0).integers(0, 64, size=(n, T))
+    seen, real = {}, gptq.gptq_quantize
+
+    def spy(W, H, spec, **kw):
+        res = real(W, H, spec, **kw)
+        seen[kw["where"]] = (np.asarray(H), np.asarray(res.Q))
+        return res
+    monkeypatch.setattr(gptq, "gptq_quantize", spy)
+    C.quantize_model(m, windows, QuantSpec(bits=4, group_size=32, true_sequential=true_sequential),
+                     progress=False, report=False)
+    assert len(seen) == 2 * 7
+    x = jnp.asarray(top["embed_tokens"][windows])  # [n, T, D]
+    cos, sin, mask = C._rope_mask(cfg, n, T)
+    for li in range(2):
+        p = {k: jnp.asarray(v[li]) for k, v in layers.items()}
+        for grp in C.SEQUENTIAL if true_sequential else (M.PROJECTIONS,):
+            ins = C.layer_with_inputs(cfg, p, x, cos, sin, mask)[1]
+            for proj in grp:
+                H_ours, Q = seen[f"layer {li} {proj}"]
+                xin = np.asarray(ins[C.INPUT_OF[proj]], np.float64).reshape(n * T, -1)
+                H = 2 * xin.T @ xin / (n * T)
+                np.testing.assert_allclose(H_ours, H, rtol=1e-4, atol=1e-5 * np.abs(H).max(), err_msg=proj)
+            for proj in grp:  # later groups see this one quantized
+                p[proj] = jnp.asarray(seen[f"layer {li} {proj}"][1].T)
+        x = C.layer_with_inputs(cfg, p, x, cos, sin, mask)[0]
+
+
 def test_hessian_inverse_device_path_equals_host_lapack():
     """On an accelerator the factor is computed by XLA (the host LAPACK path, the CPU default, would
     factor Llama-13B-sized Hessians on one CPU thread): both give U with U^T U = (H + damp I)^-1."""
