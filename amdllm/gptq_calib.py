@@ -65,11 +65,10 @@ def attention_plan(groups) -> tuple[list[tuple[bool, bool]], bool]:
     Without true-sequential (one group of all seven), q/k/v change after the only pass: nothing reused."""
     plan, have = [], False
     for grp in groups:
-        need = {INPUT_OF[g] for g in grp}
-        reuse = have
-        keep = not have and bool(need - {"attn_in"}) and not any(g in ATTN_INPUTS for g in grp)
-        plan.append((reuse, keep))
-        have = (have or keep) and not any(g in ATTN_INPUTS for g in grp)
+        changes_attn = any(g in ATTN_INPUTS for g in grp)  # quantizing this group makes it stale
+        keep = not have and bool({INPUT_OF[g] for g in grp} - {"attn_in"}) and not changes_attn
+        plan.append((have, keep))
+        have = (have or keep) and not changes_attn
     return plan, have
 
 
@@ -140,14 +139,15 @@ def _calibration_fns(cfg_json: str):
     return second_moments, forward, layer_params, hessian, rope_mask
 
 
-def _compile_ahead(fns, spec, layers, chunks, consts, groups, report: bool) -> dict:
+def _compile_ahead(fns, spec, layers, chunks, consts, groups, plan, fwd_reuse, report: bool) -> dict:
     """Start compiling, on 2 background threads, every function the GPTQ layer loop will call, in the
     order it needs them -> {key: future}; `_ready` waits for one before its first call.
 
     XLA compiles a function on one core, and the loop's ~20 compiles (~11 s for the course model)
     happen one after another on first use, so a 2-core CPU sat half idle for that time. An
     ahead-of-time `lower().compile()` fills jit's cache (a later call with the same shapes does not
-    compile again). A job that fails costs nothing: the call then compiles as before."""
+    compile again). A job that fails costs nothing: the call then compiles as before. plan, fwd_reuse:
+    the loop's `attention_plan(groups)`, so that the jobs are the calls the loop makes."""
     from concurrent.futures import ThreadPoolExecutor
     from amdllm import gptq
     second_moments, forward, layer_params, hessian, _ = fns
@@ -156,7 +156,6 @@ def _compile_ahead(fns, spec, layers, chunks, consts, groups, report: bool) -> d
     p = jax.eval_shape(layer_params, layers, 0)[0]
     jobs = {"layer_params": (layer_params, (layers, 0), {})}
     kw = gptq.core_kwargs(spec)
-    plan, fwd_reuse = attention_plan(groups)
     attn = lambda xs: S(xs.shape[:-1] + (p["o_proj"].shape[0],), f32)  # noqa: E731 -- [m, b, T, H*hd]
     for gi, (grp, (reuse, keep)) in enumerate(zip(groups, plan)):
         for ci, (xs, c) in enumerate(zip(chunks, consts)):
@@ -242,7 +241,8 @@ def quantize_model(model, windows, spec, *, method: str = "gptq", batch_size: in
 
     groups = SEQUENTIAL if spec.true_sequential else (M.PROJECTIONS,)
     plan, fwd_reuse = attention_plan(groups)
-    futures = (_compile_ahead(fns, spec, layers, chunks, consts, groups, report) if method == "gptq" else {})
+    futures = (_compile_ahead(fns, spec, layers, chunks, consts, groups, plan, fwd_reuse, report)
+               if method == "gptq" else {})
     try:
         bar = tqdm(total=L * 7, desc=f"{method} {spec.bits}-bit", disable=not progress)
         for li in range(L):
