@@ -159,7 +159,8 @@ def run_one(name: str, out: str | os.PathLike, *, quick: bool = False, timeout: 
     parse_log = logging.getLogger("papermill.translators")
     if not any(isinstance(f, _DropParseWarnings) for f in parse_log.filters):
         parse_log.addFilter(_DropParseWarnings())
-    out = Path(out)
+    # absolute: the kernel runs in notebooks/, so a relative OUT would resolve against that, not our cwd
+    out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     src = NOTEBOOK_DIR / f"{name}.ipynb"
     if not src.exists():
