@@ -30,7 +30,10 @@ $(STAMP): pyproject.toml requirements/lock.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c requirements/lock.txt "torch==2.13.0"
-	$(BIN)/python -m pip install -q -c requirements/lock.txt -e ".[all]"
+	@# PYTHONWARNINGS: setuptools prints a notice on every editable install that the source tree is
+	@# imported from directly (which is the point); nothing to act on
+	PYTHONWARNINGS=ignore $(BIN)/python -m pip install -q -c requirements/lock.txt -e ".[all]"
+	$(BIN)/python -m amdllm.notebooks kernel
 	@touch $@
 
 install: $(STAMP)
@@ -47,7 +50,7 @@ course: install
 	$(BIN)/python -m amdllm.notebooks run --out build
 
 lab: install
-	$(BIN)/python -m ipykernel install --sys-prefix --name amdllm --display-name "amdllm (.venv)"
+	$(BIN)/python -m amdllm.notebooks kernel
 	$(BIN)/jupyter lab notebooks/
 
 # GPTQModel, the reference side of benchmarks/bench_gptq.py, goes in its own venv that sees .venv's packages

@@ -1,6 +1,6 @@
 """The `amdllm` command: thin. Each subcommand lives in its module as `add_cli(subparsers)`.
 
-The contract (DESIGN.md): `--model` omitted means the embedded default model; `--json` prints one
+The contract (docs/cli.md): `--model` omitted means the embedded default model; `--json` prints one
 JSON object on stdout and nothing else there (progress bars and warnings go to stderr).
 """
 from __future__ import annotations

@@ -278,7 +278,7 @@ def train(cfg, tokens, *, seed, steps, batch_size, seq_len, lr, warmup, weight_d
 
 
 def heldout_perplexity(model, tokenizer, path: Path, seq_len: int = EVAL_SEQ_LEN) -> dict:
-    """DESIGN.md's protocol: tokenizer(text), non-overlapping windows, mean NLL of tokens 1..n-1."""
+    """The `amdllm eval` protocol (docs/cli.md): tokenizer(text), non-overlapping windows, mean NLL of tokens 1..n-1."""
     ids = tokenizer(path.read_text())["input_ids"]
     try:
         from amdllm.evaluate import perplexity
@@ -396,11 +396,23 @@ def main(argv=None) -> int:
         committed = committed_model_dir() / "build_report.json"
         if committed.is_file():
             report["matches_committed"] = json.loads(committed.read_text())["weights_sha256"] == report["weights_sha256"]
-    else:
+    else:  # `make course` / `make test`: locate (build on first use) and say so in one line
         target = default_model_dir()
         report = json.loads((target / "build_report.json").read_text())
+        how = "committed build of the current recipe" if target == committed_model_dir() else "cached build"
+        print(f"default model: {_shown(target)} ({how}, {report['params'] / 1e6:.1f}M parameters, "
+              f"held-out perplexity {report['heldout_perplexity']:.3f})")
+        return 0
     print(json.dumps({"path": str(target), **{k: v for k, v in report.items() if k != "recipe"}}, indent=2))
     return 0
+
+
+def _shown(path: Path) -> str:
+    """A path relative to the working directory when it is under it (data/default_model), else whole."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
 
 
 if __name__ == "__main__":

@@ -7,9 +7,11 @@ runs everywhere (SPMD): each process feeds its own devices, XLA does the collect
 Where the three numbers (coordinator address, number of processes, this process's id) come from,
 first match wins:
   1. arguments:   initialize("10.0.0.1:12345", num_processes=4, process_id=rank)
-  2. environment: AMDLLM_COORDINATOR=host:port AMDLLM_NUM_PROCESSES=N AMDLLM_PROCESS_ID=i
+  2. environment: JAX_COORDINATOR_ADDRESS=host:port JAX_NUM_PROCESSES=N JAX_PROCESS_ID=i
+     (JAX_COORDINATOR_ADDRESS is the variable `jax.distributed.initialize` itself reads; the other two
+     are the usual companions, which JAX leaves to the caller)
   3. SLURM (srun: SLURM_NTASKS > 1) or Open MPI (mpirun: OMPI_COMM_WORLD_SIZE > 1): JAX's own
-     cluster detection finds all three (AMDLLM_COORDINATOR, if set, overrides the address).
+     cluster detection finds all three (JAX_COORDINATOR_ADDRESS, if set, overrides the address).
   4. none of these: a single process; nothing to initialise.
 On CPU the cross-process collectives use gloo (set before the backend starts).
 
@@ -22,24 +24,25 @@ node holds a whole copy; `--mesh fsdp=16` halves that to ~51 GB but gathers weig
 network for every layer). Then, on every node:
 
     # node 0 is the coordinator; pick any free TCP port reachable from the other nodes
-    export AMDLLM_COORDINATOR=node0.cluster:12345 AMDLLM_NUM_PROCESSES=2
-    export AMDLLM_PROCESS_ID=0          # 1 on the second node
+    export JAX_COORDINATOR_ADDRESS=node0.cluster:12345 JAX_NUM_PROCESSES=2
+    export JAX_PROCESS_ID=0             # 1 on the second node
     export HIP_VISIBLE_DEVICES=0,1,2,3,4,5,6,7
-    amdllm finetune --model /shared/Llama-3.1-405B --data train.jsonl --out /shared/run1 \\
-        --mesh data=2,fsdp=8 --remat
+    python my_script.py                 # the same script on every node
 
 or, under SLURM, with nothing to set by hand (JAX reads the SLURM variables):
 
-    srun --nodes=2 --ntasks-per-node=1 --gpus-per-node=8 \\
-        amdllm finetune --model /shared/Llama-3.1-405B ... --mesh data=2,fsdp=8 --remat
+    srun --nodes=2 --ntasks-per-node=1 --gpus-per-node=8 python my_script.py
 
-In Python (a notebook kernel per node, or a script):
+where the script does (tests/dist_child.py does exactly this on one machine, with 2 and 4 processes):
 
     from amdllm import checkpoint, distributed, sharding
-    info = distributed.initialize()            # arguments / AMDLLM_* / SLURM / Open MPI
+    info = distributed.initialize()            # arguments / JAX_* / SLURM / Open MPI
     mesh = sharding.make_mesh("data=2,fsdp=8") # 16 devices, 8 per process
     model = checkpoint.load("/shared/Llama-3.1-405B", dtype="bfloat16", mesh=mesh, rules="fsdp")
     batch = distributed.global_batch(my_rows, mesh)  # each process passes its share of the batch
+
+The `amdllm` command does not call `initialize()` yet: started on several nodes, each `amdllm finetune`
+would train alone on its own devices. Multi-host runs go through Python, as above, for now.
 
 Rules of thumb: keep `fsdp` (and `tensor`, if any) inside a node, where the GPUs share Infinity
 Fabric links, and put `data` across nodes (only gradients cross the slower network once a step).
@@ -54,7 +57,7 @@ from typing import Mapping
 import jax
 import numpy as np
 
-ENV_VARS = ("AMDLLM_COORDINATOR", "AMDLLM_NUM_PROCESSES", "AMDLLM_PROCESS_ID")
+ENV_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 
 
 class DistributedError(RuntimeError):
@@ -69,17 +72,17 @@ def detect(env: Mapping[str, str] | None = None) -> dict:
     env = os.environ if env is None else env
     given = [v for v in ENV_VARS if env.get(v)]
     if given:
-        if len(given) < 3 and not (given == ["AMDLLM_COORDINATOR"] and _cluster(env)):
+        if len(given) < 3 and not (given == ["JAX_COORDINATOR_ADDRESS"] and _cluster(env)):
             missing = [v for v in ENV_VARS if v not in given]
             raise DistributedError(f"{', '.join(given)} set but {', '.join(missing)} missing; set all of "
                                    f"{', '.join(ENV_VARS)} (or none, to use SLURM / Open MPI detection)")
         if len(given) == 3:
-            return {"source": "env", "coordinator_address": env["AMDLLM_COORDINATOR"],
-                    "num_processes": _int(env, "AMDLLM_NUM_PROCESSES"),
-                    "process_id": _int(env, "AMDLLM_PROCESS_ID")}
+            return {"source": "env", "coordinator_address": env["JAX_COORDINATOR_ADDRESS"],
+                    "num_processes": _int(env, "JAX_NUM_PROCESSES"),
+                    "process_id": _int(env, "JAX_PROCESS_ID")}
     cluster = _cluster(env)
     if cluster:
-        return {**cluster, "coordinator_address": env.get("AMDLLM_COORDINATOR")}
+        return {**cluster, "coordinator_address": env.get("JAX_COORDINATOR_ADDRESS")}
     return {"source": "single", "coordinator_address": None, "num_processes": 1, "process_id": 0}
 
 

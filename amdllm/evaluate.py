@@ -1,4 +1,4 @@
-"""Perplexity, with exactly the protocol in DESIGN.md (so numbers compare across tools and notebooks):
+"""Perplexity, with exactly the protocol of `amdllm eval` in docs/cli.md (so numbers compare across tools and notebooks):
 
   1. tokenize the whole text as `tokenizer(text)` (a BOS appears once, at the start, if the tokenizer
      adds one);
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Sequence
 
@@ -96,7 +97,7 @@ def evaluate_text(model, tokenizer, text: str, seq_len: int = 256, batch_size: i
 # --------------------------------------------------------------------------------------------------
 def add_cli(sub) -> None:
     from amdllm.generate import DTYPES, add_model_args
-    p = sub.add_parser("eval", help="perplexity of a text (DESIGN.md protocol)")
+    p = sub.add_parser("eval", help="perplexity of a text (protocol: docs/cli.md)")
     add_model_args(p)
     p.add_argument("--text", default=None, help="UTF-8 text file (default: the held-out course text)")
     p.add_argument("--seq-len", type=int, default=256, help="window length in tokens")
@@ -111,13 +112,19 @@ def _cli(args: argparse.Namespace) -> int:
     if args.text is None:
         from amdllm.course import heldout_text_path
         text_path = Path(heldout_text_path())
+        what = f"the course's held-out stories ({text_path})"
+        if args.model is not None:  # a user's model measured on our stories is rarely what they meant
+            print(f"amdllm eval: no --text given: measuring {what}; pass --text FILE for your own text",
+                  file=sys.stderr)
     else:
         text_path = Path(args.text)
+        what = str(text_path)
     if not text_path.is_file():
         raise FileNotFoundError(f"--text {text_path}: no such file")
     text = text_path.read_text(encoding="utf-8")
     model, tokenizer, _ = load_model(args.model, args.adapter, args.dtype)
     r = evaluate_text(model, tokenizer, text, seq_len=args.seq_len, batch_size=args.batch_size)
+    r["text"] = str(text_path)
     emit(r, args.json, f"perplexity {r['perplexity']:.4f}  (nll {r['nll']:.4f} over {r['tokens']} "
-                       f"tokens of {text_path}, seq_len {args.seq_len})")
+                       f"tokens of {what}, seq_len {args.seq_len})")
     return 0

@@ -1,7 +1,7 @@
 """GPTQ in JAX: the quantizer grid, the solver, RTN, and the `amdllm quantize` command.
 
 The solver follows the reference implementation (IST-DASLab `gptq.py::fasterquant`, see
-`anchors_gptq.md` 1.3) line for line, with weights in the reference's [out N, in K] orientation:
+lesson 04 walks through it) line for line, with weights in the reference's [out N, in K] orientation:
 dead columns, relative dampening (raised by 0.01 with a warning while Cholesky fails), the upper
 Cholesky factor of H^-1, blocks of 128 columns with a rank-1 update inside the block and one GEMM
 ("lazy batch update") per block, groups, act-order (`desc_act`) with `g_idx`, static groups.
@@ -81,6 +81,26 @@ class QuantSpec:
         if K % self.group_size:
             raise GPTQError(f"{where}: group_size {self.group_size} does not divide in_features {K}")
         return self.group_size
+
+
+def in_features(cfg) -> list[int]:
+    """The distinct input sizes of a Llama layer's projections (hidden for q/k/v/gate/up, the attention
+    width for o, the MLP width for down): a group size must divide each of them."""
+    return sorted({cfg.hidden_size, cfg.q_dim, cfg.intermediate_size})
+
+
+def fit_group_size(cfg, group_size: int) -> tuple[int, str | None]:
+    """(group size to use, note): `group_size` itself when it divides every projection's in_features,
+    else the largest size GPTQModel allows (GROUP_SIZES) that divides them all, else -1 (one group per
+    output row). The note says what changed and why; None when nothing did."""
+    ks = in_features(cfg)
+    if group_size == -1 or all(k % group_size == 0 for k in ks):
+        return group_size, None
+    fits = [g for g in GROUP_SIZES if g != -1 and g <= group_size and all(k % g == 0 for k in ks)]
+    chosen = max(fits) if fits else -1
+    how = f"{chosen}, the largest allowed size that divides them all" if fits else "-1 (one group per output row)"
+    return chosen, (f"group_size {group_size} does not divide the projections' in_features {ks}; "
+                    f"using {how}")
 
 
 @dataclass

@@ -376,6 +376,12 @@ def run_quantize(args) -> dict:
     model_dir = Path(args.model) if args.model else _default_model_dir()
     t0 = time.perf_counter()
     model = _load_model(model_dir)
+    from amdllm.gptq import fit_group_size, in_features
+    fitted, note = fit_group_size(model.cfg, spec.group_size)
+    if note:
+        raise ValueError(f"--group-size {spec.group_size} does not divide the in_features "
+                         f"{in_features(model.cfg)} of {model_dir}'s projections; pass --group-size {fitted}"
+                         + (" (one group per output row)" if fitted == -1 else " (the largest that fits)"))
     windows = None
     if args.method == "gptq":
         calib = Path(args.calib) if args.calib else _default_calib_file()

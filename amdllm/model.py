@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from amdllm.attention import NEG_INF, attention, cached_attention, causal_attention  # noqa: F401 (re-exported)
@@ -427,3 +428,23 @@ def to_pure(model: Llama) -> tuple[dict, dict]:
 
 def count_params(model: Any) -> int:
     return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def logit_tolerance(cfg: LlamaConfig, logit_scale: float) -> float:
+    """How far two correct float32 implementations of this model may differ in one logit (absolute).
+
+    Two libraries sum each matmul in their own order. For a reduction of length K the results differ by
+    about sqrt(K) * eps relative to the output's scale (rounding errors add like a random walk), with
+    eps = 2**-23, float32's unit roundoff times two. A logit sits at the end of about four such matmul
+    stages per layer (q/k/v, o, gate/up, down) plus the head, and each layer's error is carried on by the
+    residual stream, so the errors add over the 4 L + 1 stages:
+
+        tol = sqrt(max(hidden, intermediate)) * (4 L + 1) * eps * max|logit|
+
+    For the course model (K = 768, L = 4) that is ~5.6e-5 of the largest logit. A real bug (a wrong
+    LoRA scale, a missing projection, a transposed weight) changes logits by a sizeable fraction of their
+    scale, orders of magnitude above this.
+    """
+    k = max(cfg.hidden_size, cfg.intermediate_size)
+    eps = float(np.finfo(np.float32).eps)
+    return float(np.sqrt(k) * (4 * cfg.num_hidden_layers + 1) * eps * max(float(logit_scale), 1.0))

@@ -2,13 +2,26 @@
 
     python -m amdllm.notebooks run --out build [--quick] [--only 01,03] [--timeout 1200]
     python -m amdllm.notebooks strip [--check] [NOTEBOOK ...]
+    python -m amdllm.notebooks kernel          # install the `amdllm` Jupyter kernel (make lab does)
 
 `run` executes each notebook with papermill: the runner's values are injected after the cell tagged
-`parameters` (always `quick` and `results_path`; with --quick also the small sizes in QUICK_PARAMS),
-the executed copy is written to OUT/<name>.ipynb, and each notebook's final cell writes its key
-results as JSON to `results_path` (OUT/<name>.results.json) after asserting them. The runner
-collects those into OUT/summary.json and prints a one-screen summary. One failing notebook does not
-stop the others; the exit status is 1 if any failed.
+`parameters` (always `quick`, `results_path` and `work_dir`; with --quick also the small sizes in
+QUICK_PARAMS), the executed copy is written to OUT/<name>.ipynb, and each notebook's final cell writes
+its key results as JSON to `results_path` (OUT/<name>.results.json) after asserting them. Files a
+lesson makes (adapters, quantized checkpoints, server logs) go under `work_dir` (OUT/work/<name>, emptied
+when the lesson starts), so a run leaves nothing outside OUT. The runner collects the results into
+OUT/summary.json and prints a one-screen summary. One failing notebook does not stop the others; the exit
+status is 1 if any failed.
+
+The kernels run in notebooks/, so that the lessons' own relative paths work as in Jupyter. Paths the
+user gives (OUT, and the `--param` values in PATH_PARAMS) are taken relative to the directory the
+command runs in, and resolved before the kernel sees them. A `--param` goes to the notebooks whose
+parameters cell declares it; one that no selected notebook declares is an error (a typo, most likely).
+
+The kernel is `amdllm` (KERNEL_NAME), the notebooks' kernelspec: `run` and `make lab` install it into
+this Python's environment (`python -m amdllm.notebooks kernel`), so a lesson runs on the interpreter
+that has amdllm and its pinned packages, whichever other kernels the machine has. The kernel talks to
+the runner over local IPC sockets, not TCP.
 
 The kernels share a persistent JAX compilation cache (`--compile-cache`, default
 $AMDLLM_HOME/jax-cache; `none` turns it off): the lessons compile the same functions (prefill/decode,
@@ -38,6 +51,8 @@ from amdllm.io import atomic_write_text
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOK_DIR = REPO / "notebooks"
+KERNEL_NAME = "amdllm"
+KERNEL_DISPLAY_NAME = "amdllm (.venv)"
 NOTEBOOKS = ("00_setup", "01_weight_conversion", "02_mesh_sharding", "03_lora_finetuning",
              "04_gptq_quantization", "05_inference_and_serving")
 
@@ -52,28 +67,37 @@ QUICK_PARAMS: dict[str, dict] = {
                                  "quant_method": "rtn"},
 }
 
+# Parameters that name files or directories: resolved against the directory the runner was started in.
+PATH_PARAMS = ("model_dir", "train_data", "eval_data", "calib_text", "eval_text")
+
 # Which recorded results the summary shows, per notebook: (results key, label, format string or function).
 SUMMARY_FIELDS: dict[str, list[tuple[str, str, str]]] = {
     "00_setup": [("backend", "backend", "{}"), ("devices", "devices", "{}"),
                  ("cpu_fallback_warning", "silent-CPU-fallback warning", "{}")],
-    "01_weight_conversion": [("max_abs_logit_diff", "parity max |logit diff| vs transformers", "{:.2e}"),
+    "01_weight_conversion": [("model", "model", "{}"),
+                             ("max_abs_logit_diff", "parity max |logit diff| vs transformers", "{:.2e}"),
                              ("greedy_match", "greedy tokens equal to transformers", "{}"),
                              ("roundtrip_max_diff", "save->transformers reload max diff", "{:.2e}")],
     "02_mesh_sharding": [("mesh", "mesh", lambda m: ",".join(f"{a}={n}" for a, n in m.items() if n > 1)),
                          ("sharded_max_diff", "sharded vs single-device logits", "{:.2e}"),
                          ("llama405b_mfu_at_35tps", "405B @ 35 tok/s on 8x MI300X: MFU", "{:.2%}")],
-    "03_lora_finetuning": [("accuracy_before", "task accuracy before LoRA", "{:.1%}"),
+    "03_lora_finetuning": [("model", "model", "{}"),
+                           ("accuracy_before", "task accuracy before LoRA", "{:.1%}"),
                            ("accuracy_after", "task accuracy after LoRA", "{:.1%}"),
+                           ("eval_loss_before", "held-out loss before LoRA", "{:.3f}"),
+                           ("eval_loss_after", "held-out loss after LoRA", "{:.3f}"),
                            ("tokens_per_second", "training tokens/s", "{:.0f}"),
                            ("peft_max_diff", "our logits vs peft-loaded adapter", "{:.2e}")],
-    "04_gptq_quantization": [("ppl_fp", "perplexity fp32", "{:.4f}"),
+    "04_gptq_quantization": [("model", "model", "{}"),
+                             ("ppl_fp", "perplexity fp32", "{:.4f}"),
                              ("ppl_rtn4", "perplexity RTN 4-bit", "{:.4f}"),
                              ("ppl_gptq4", "perplexity GPTQ 4-bit", "{:.4f}"),
                              ("ppl_rtn3", "perplexity RTN 3-bit", "{:.4f}"),
                              ("ppl_gptq3", "perplexity GPTQ 3-bit", "{:.4f}"),
-                             ("size_fp_mb", "size fp32 (MB)", "{:.2f}"),
+                             ("size_fp_mb", "size on disk, full precision (MB)", "{:.2f}"),
                              ("size_gptq4_mb", "size GPTQ 4-bit (MB)", "{:.2f}")],
-    "05_inference_and_serving": [("tokens_per_second", "decode tokens/s",
+    "05_inference_and_serving": [("model", "model", "{}"),
+                                 ("tokens_per_second", "decode tokens/s",
                                   lambda t: " | ".join(f"{k} {v:.0f}" for k, v in t.items())),
                                  ("task_accuracy_int4", "task accuracy int4", "{:.1%}"),
                                  ("task_accuracy_int4_lora", "task accuracy int4 + LoRA", "{:.1%}"),
@@ -90,11 +114,25 @@ def record(results_path: str | os.PathLike | None, results: dict) -> None:
         atomic_write_text(results_path, json.dumps(results, indent=2, default=float) + "\n")
 
 
-def _params_for(name: str, quick: bool, results_path: Path, extra: dict | None) -> dict:
-    params = {"quick": bool(quick), "results_path": str(results_path)}
+def declared_parameters(name: str) -> list[str]:
+    """The names the notebook's `parameters` cell assigns (what the runner may inject)."""
+    import re
+
+    cells = json.loads((NOTEBOOK_DIR / f"{name}.ipynb").read_text())["cells"]
+    src = next(("".join(c["source"]) for c in cells if "parameters" in c.get("metadata", {}).get("tags", [])), "")
+    return re.findall(r"^([A-Za-z_]\w*)\s*=", src, flags=re.M)
+
+
+def _params_for(name: str, quick: bool, results_path: Path, work_dir: Path, extra: dict | None) -> dict:
+    params = {"quick": bool(quick), "results_path": str(results_path), "work_dir": str(work_dir)}
     if quick:
         params.update(QUICK_PARAMS.get(name, {}))
-    params.update(extra or {})
+    declared = set(declared_parameters(name))
+    for k, v in (extra or {}).items():
+        if k not in declared:  # a --param applies to the notebooks that declare it
+            continue
+        # paths are the caller's: relative to the command's working directory, not the kernel's notebooks/
+        params[k] = str(Path(v).resolve()) if k in PATH_PARAMS and isinstance(v, str) and v else v
     return params
 
 
@@ -140,17 +178,63 @@ class _DropParseWarnings(logging.Filter):
         return not record.getMessage().startswith("Unable to parse line")
 
 
+def kernel_spec_dir() -> Path:
+    """Where this environment's `amdllm` kernelspec lives (sys.prefix: the venv, not the user's home)."""
+    return Path(sys.prefix) / "share" / "jupyter" / "kernels" / KERNEL_NAME
+
+
+def ensure_kernel() -> Path:
+    """Install the `amdllm` kernelspec for this interpreter unless it is there already; returns its dir.
+
+    The spec's argv names sys.executable, so the kernel runs this environment's Python. A spec left by
+    another interpreter (a moved or rebuilt venv) is replaced. Concurrent callers serialise on a lock."""
+    import fcntl
+
+    spec_dir = kernel_spec_dir()
+    spec = spec_dir / "kernel.json"
+
+    def current() -> bool:
+        try:
+            return json.loads(spec.read_text())["argv"][0] == sys.executable
+        except (OSError, ValueError, KeyError, IndexError):
+            return False
+
+    if current():
+        return spec_dir
+    spec_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(spec_dir.parent / f".{KERNEL_NAME}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not current():
+            from ipykernel.kernelspec import install
+            install(kernel_name=KERNEL_NAME, display_name=KERNEL_DISPLAY_NAME, prefix=sys.prefix)
+    return spec_dir
+
+
+def _ipc_kernel_manager(socket_dir: Path):
+    """A kernel manager whose kernel listens on UNIX sockets in `socket_dir` instead of TCP ports: only
+    this user can reach it, and ipykernel has nothing to warn about (it warns on unencrypted TCP)."""
+    from jupyter_client.manager import AsyncKernelManager
+
+    class IPCKernelManager(AsyncKernelManager):
+        def __init__(self, **kw):
+            super().__init__(transport="ipc", ip=str(socket_dir / "k"), **kw)
+
+    return IPCKernelManager
+
+
 def _cpu_seconds_of_children() -> float:
     r = resource.getrusage(resource.RUSAGE_CHILDREN)  # the kernel, once it has exited and been waited for
     return r.ru_utime + r.ru_stime
 
 
 def run_one(name: str, out: str | os.PathLike, *, quick: bool = False, timeout: int = 1200,
-            parameters: dict | None = None, kernel: str = "python3",
-            compile_cache: str | os.PathLike | None = None) -> dict:
-    """Execute notebooks/<name>.ipynb into OUT/<name>.ipynb; return {name, ok, seconds, cpu_seconds,
-    results, error}. cpu_seconds is the kernel's CPU time (a fairer measure than wall time on a shared
+            parameters: dict | None = None, compile_cache: str | os.PathLike | None = None) -> dict:
+    """Execute notebooks/<name>.ipynb into OUT/<name>.ipynb on the `amdllm` kernel; return {name, ok,
+    seconds, cpu_seconds, results, error, executed}. OUT is resolved against the caller's working
+    directory. cpu_seconds is the kernel's CPU time (a fairer measure than wall time on a shared
     machine); compile_cache is a JAX persistent compilation cache directory (None: no cache)."""
+    import shutil
+    import tempfile
     import warnings
 
     import papermill as pm
@@ -159,27 +243,38 @@ def run_one(name: str, out: str | os.PathLike, *, quick: bool = False, timeout: 
     parse_log = logging.getLogger("papermill.translators")
     if not any(isinstance(f, _DropParseWarnings) for f in parse_log.filters):
         parse_log.addFilter(_DropParseWarnings())
-    # absolute: the kernel runs in notebooks/, so a relative OUT would resolve against that, not our cwd
-    out = Path(out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
     src = NOTEBOOK_DIR / f"{name}.ipynb"
     if not src.exists():
         raise FileNotFoundError(f"{src}: no such notebook (known: {', '.join(NOTEBOOKS)})")
+    # absolute: the kernel runs in notebooks/, where a relative OUT would point somewhere else
+    out = Path(out).resolve()
+    work_dir = out / "work" / name
+    shutil.rmtree(work_dir, ignore_errors=True)  # the lesson's scratch space: each run starts from nothing
+    work_dir.mkdir(parents=True)
     results_path = out / f"{name}.results.json"
     results_path.unlink(missing_ok=True)  # a stale file must not pass for this run's results
+    ensure_kernel()
     t0, cpu0 = time.time(), _cpu_seconds_of_children()
     rec = {"name": name, "ok": False, "seconds": None, "cpu_seconds": None, "results": None, "error": None,
            "executed": str(out / f"{name}.ipynb")}
+    # UNIX socket paths are limited to ~100 bytes, so the sockets go in a short temporary directory
+    socket_dir = Path(tempfile.mkdtemp(prefix="amdllm-kernel-"))
     try:
         # cwd = notebooks/ so that relative paths in a notebook (solutions/, ../data) work as in Jupyter
         with _kernel_env(compile_cache):
             pm.execute_notebook(str(src), rec["executed"],
-                                parameters=_params_for(name, quick, results_path, parameters),
-                                kernel_name=kernel, cwd=str(NOTEBOOK_DIR), execution_timeout=timeout,
-                                progress_bar=False, log_output=False, report_mode=False)
-    except Exception as e:  # papermill's error names the cell and the exception; keep its first lines
-        msg = str(e).strip().splitlines()
-        rec["error"] = " | ".join(line for line in msg[:6] if line.strip())[:600] or type(e).__name__
+                                parameters=_params_for(name, quick, results_path, work_dir, parameters),
+                                kernel_name=KERNEL_NAME, cwd=str(NOTEBOOK_DIR), execution_timeout=timeout,
+                                progress_bar=False, log_output=False, report_mode=False,
+                                kernel_manager_class=_ipc_kernel_manager(socket_dir))
+    except Exception as e:
+        if hasattr(e, "ename"):  # papermill's PapermillExecutionError: the cell and the exception it raised
+            rec["error"] = f"cell [{e.exec_count}]: {e.ename}: {e.evalue}"[:600]
+        else:
+            msg = str(e).strip().splitlines()
+            rec["error"] = " | ".join(line for line in msg[:6] if line.strip())[:600] or type(e).__name__
+    finally:
+        shutil.rmtree(socket_dir, ignore_errors=True)
     rec["seconds"] = round(time.time() - t0, 1)
     rec["cpu_seconds"] = round(_cpu_seconds_of_children() - cpu0, 1)
     if results_path.exists():
@@ -194,6 +289,11 @@ def run(out: str | os.PathLike, *, quick: bool = False, only: list[str] | None =
         timeout: int = 1200, parameters: dict | None = None,
         compile_cache: str | os.PathLike | None = None) -> list[dict]:
     names = resolve(only)
+    unknown = set(parameters or {}) - {p for n in names for p in declared_parameters(n)}
+    if unknown:
+        known = sorted({p for n in names for p in declared_parameters(n)} - {"quick", "results_path", "work_dir"})
+        raise ValueError(f"--param {', '.join(sorted(unknown))}: no selected notebook has such a parameter "
+                         f"(they have: {', '.join(known)})")
     recs = []
     for name in names:
         print(f"[{time.strftime('%H:%M:%S')}] running {name} ...", file=sys.stderr, flush=True)
@@ -327,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="JAX persistent compilation cache shared by the kernels (default $AMDLLM_HOME/jax-cache; "
                         "'none' turns it off)")
+    sub.add_parser("kernel", help=f"install the '{KERNEL_NAME}' Jupyter kernel for this Python (make lab does)")
     s = sub.add_parser("strip", help="remove outputs/execution counts from notebooks (default: all)")
     s.add_argument("paths", nargs="*")
     s.add_argument("--check", action="store_true", help="only report; exit 1 if any is not clean")
@@ -342,6 +443,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(json.dumps(recs, default=str) if args.json else summary_text(recs))
         return 0 if all(r["ok"] for r in recs) else 1
+    if args.cmd == "kernel":
+        print(f"kernel '{KERNEL_NAME}' ({sys.executable}) in {ensure_kernel()}")
+        return 0
     found = strip(args.paths or None, check=args.check)
     for path, problems in found.items():
         print(f"{path}: {'; '.join(problems[:5])}{' ...' if len(problems) > 5 else ''}")

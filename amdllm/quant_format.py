@@ -1,6 +1,6 @@
 """GPTQ on disk and on the device: int32 packing, the quantized matmul, checkpoint save/load.
 
-The format (GPTQ-for-LLaMa / AutoGPTQ / GPTQModel / transformers, `anchors_gptq.md` section 2), for a
+The format (GPTQ-for-LLaMa / AutoGPTQ / GPTQModel / transformers, docs/formats.md), for a
 linear with in_features K, out_features N, `bits` b, pack factor p = 32/b, group size G (-1 means K),
 n_g = K/G:
     qweight int32 [K/p, N]    codes packed along K, lowest k in the lowest bits

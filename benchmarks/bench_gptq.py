@@ -10,7 +10,7 @@ Each side runs in its own process, one after the other, timed from the parent (w
 the child) and from inside (load -> calibrate -> quantize -> pack -> save, no imports/start-up).
 amdllm's side is the `amdllm quantize` command a user runs (it also computes its per-layer GPTQ-vs-RTN
 report, GPTQModel does its own logging). Both checkpoints are then loaded by `amdllm.checkpoint.load`
-and scored by the same protocol: DESIGN.md's `amdllm eval` (held-out course text, tokenized whole,
+and scored by the same protocol: `amdllm eval`'s (docs/cli.md) (held-out course text, tokenized whole,
 non-overlapping 256-token windows).
 
 GPTQModel runs in the interpreter --gptqmodel-python (default $AMDLLM_GPTQMODEL_PYTHON, else this one if

@@ -16,7 +16,7 @@ run. Each round therefore measures, right after amdllm's timed step, a 1024^3 `j
   mfu          median over rounds of (the step's FLOP/s / that round's sustained matmul rate)
   mfu_vs_best  the median step's FLOP/s / the best single matmul of the whole run (the conservative one)
 
-    python benchmarks/bench_lora.py            # the 31M shape of reference/cpu_performance_notes.md
+    python benchmarks/bench_lora.py            # the 31M shape (hidden 512, 8 layers, vocab 8192)
     python benchmarks/bench_lora.py --json --steps 3 --hidden 256 --layers 4 --vocab 4096   # quicker
     GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python benchmarks/bench_lora.py   # as `make bench` runs it
 """

@@ -1,4 +1,4 @@
-"""The `amdllm doctor / eval / generate` contract (DESIGN.md): with --json exactly one JSON object on
+"""The `amdllm doctor / eval / generate` contract (docs/cli.md): with --json exactly one JSON object on
 stdout with the documented keys, numbers equal to transformers on a tiny HF checkpoint directory, clear
 one-line errors; and the silent-CPU-fallback diagnosis on made-up machines."""
 from __future__ import annotations
@@ -45,10 +45,20 @@ def test_eval_json_equals_transformers(ckpt, tmp_path, capfd):
     text = tmp_path / "text.txt"
     text.write_text(TEXT * 4)
     r = run_json(capfd, ["eval", "--model", str(d), "--text", str(text), "--seq-len", "32"])
-    assert set(r) == {"perplexity", "nll", "tokens"}
+    assert set(r) == {"perplexity", "nll", "tokens", "text"} and r["text"] == str(text)
     ref = reference_perplexity(hf, tok(TEXT * 4)["input_ids"], 32)
     assert r["tokens"] == ref["tokens"]
     assert abs(r["perplexity"] / ref["perplexity"] - 1) < 1e-4
+
+
+def test_eval_names_the_text_it_measured(ckpt, capfd):
+    """A user's model without --text is measured on the course stories, and the command says so: a note on
+    stderr and the text named in the result line."""
+    d, _, _ = ckpt
+    assert cli.main(["eval", "--model", str(d), "--seq-len", "32"]) == 0
+    out, err = capfd.readouterr()
+    assert "no --text given: measuring the course's held-out stories" in err
+    assert "of the course's held-out stories (" in out and "corpus_heldout.txt" in out
 
 
 def test_eval_with_peft_adapter_and_bf16(ckpt, tmp_path, capfd):

@@ -195,7 +195,7 @@ def test_default_model_is_a_small_gqa_llama_checkpoint(default_dir):
 
 
 def test_default_model_heldout_perplexity_with_transformers(default_dir):
-    """DESIGN.md's protocol computed by transformers on the saved files: the model has learned."""
+    """The `amdllm eval` protocol (docs/cli.md) computed by transformers on the saved files: the model has learned."""
     import numpy as np
     import torch
     from transformers import AutoTokenizer, LlamaForCausalLM

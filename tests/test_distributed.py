@@ -120,23 +120,23 @@ def test_sharded_load_peak_memory(tmp_path):
 def test_detect_sources():
     single = distributed.detect({})
     assert single["source"] == "single" and single["num_processes"] == 1
-    env = {"AMDLLM_COORDINATOR": "h:1234", "AMDLLM_NUM_PROCESSES": "4", "AMDLLM_PROCESS_ID": "2"}
+    env = {"JAX_COORDINATOR_ADDRESS": "h:1234", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "2"}
     assert distributed.detect(env) == {"source": "env", "coordinator_address": "h:1234", "num_processes": 4,
                                        "process_id": 2}
     slurm = distributed.detect({"SLURM_NTASKS": "16", "SLURM_PROCID": "3", "SLURM_JOB_ID": "9"})
     assert slurm["source"] == "slurm" and slurm["num_processes"] == 16 and slurm["process_id"] == 3
     ompi = distributed.detect({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1",
-                               "AMDLLM_COORDINATOR": "n0:5555"})
+                               "JAX_COORDINATOR_ADDRESS": "n0:5555"})
     assert ompi == {"source": "openmpi", "num_processes": 2, "process_id": 1, "coordinator_address": "n0:5555"}
     assert distributed.detect({"SLURM_NTASKS": "1", "SLURM_PROCID": "0"})["source"] == "single"
-    with pytest.raises(distributed.DistributedError, match="AMDLLM_PROCESS_ID missing"):
-        distributed.detect({"AMDLLM_COORDINATOR": "h:1", "AMDLLM_NUM_PROCESSES": "2"})
-    with pytest.raises(distributed.DistributedError, match="AMDLLM_PROCESS_ID='x' is not an integer"):
-        distributed.detect({**env, "AMDLLM_PROCESS_ID": "x"})
+    with pytest.raises(distributed.DistributedError, match="JAX_PROCESS_ID missing"):
+        distributed.detect({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2"})
+    with pytest.raises(distributed.DistributedError, match="JAX_PROCESS_ID='x' is not an integer"):
+        distributed.detect({**env, "JAX_PROCESS_ID": "x"})
     with pytest.raises(distributed.DistributedError, match="pass all of coordinator_address"):
         distributed.initialize("h:1", num_processes=2)
     with pytest.raises(distributed.DistributedError, match="process id 5 is outside 0..3"):
-        distributed.initialize(env={**env, "AMDLLM_PROCESS_ID": "5"})
+        distributed.initialize(env={**env, "JAX_PROCESS_ID": "5"})
     with pytest.raises(distributed.DistributedError, match="must be host:port"):
         distributed.initialize("localhost", 2, 0)
     assert distributed.initialize(env={})["source"] == "single"  # no cluster: nothing started

@@ -1,4 +1,4 @@
-"""Perplexity equals DESIGN.md's protocol computed independently with transformers (torch), to 1e-4
+"""Perplexity equals the `amdllm eval` protocol (docs/cli.md) computed independently with transformers (torch), to 1e-4
 relative: consecutive non-overlapping windows, the short last window kept only with >= 2 tokens."""
 from __future__ import annotations
 

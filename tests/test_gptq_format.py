@@ -1,6 +1,6 @@
 """GPTQ on disk: packing, interop with the format as GPTQModel/AutoGPTQ write it, the quantize CLI, errors.
 
-Every expected value here is computed from the format spec (anchors_gptq.md section 2) by code written
+Every expected value here is computed from the format spec (docs/formats.md) by code written
 in this file, independently of amdllm.quant_format.
 """
 import json

@@ -174,3 +174,34 @@ def test_fused_projections_match_peft_with_all_or_some_targets(tmp_path, targets
     with torch.no_grad():
         ref = pm(torch.tensor(tokens)).logits.float().numpy()
     np.testing.assert_allclose(ours, ref, atol=1e-4)
+
+
+def test_peft_parity_at_the_course_recipe_size(tmp_path):
+    """Lesson 03's comparison at its own adapter size: the course model, rank 8 on all seven projections,
+    factors trained (not random) on the course task. The tolerance is float32 rounding noise for this
+    model's depth and width, scaled by the logits (amdllm.model.logit_tolerance), not a number chosen
+    from a quick run; the trained adapter changes the logits by far more than it."""
+    from transformers import LlamaForCausalLM
+
+    from amdllm import checkpoint, course, data, train
+    from amdllm.model import logit_tolerance
+    from amdllm.tokenizer import load_tokenizer
+
+    model_dir = course.default_model_dir()
+    tok = load_tokenizer(model_dir)
+    ds = data.load_dataset(course.task_paths()[0], tok, 256)
+    m = lora.apply_lora(checkpoint.load(model_dir), rank=8, alpha=16, targets="q,k,v,o,gate,up,down")
+    tokens = jnp.asarray(ds.tokens[:2])
+    base = np.asarray(m(tokens)[0])
+    train.finetune(m, ds, tmp_path / "ad", train.TrainConfig(steps=30, batch_size=8, seq_len=256, lr=3e-3),
+                   base_model_dir=str(model_dir), progress=False)
+    ours = np.asarray(m(tokens)[0])
+    tol = logit_tolerance(m.cfg, np.abs(ours).max())
+    assert np.abs(ours - base).max() > 1000 * tol  # the adapter matters far beyond the tolerance
+    hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    pm = peft.PeftModel.from_pretrained(hf, str(tmp_path / "ad")).eval()
+    with torch.no_grad():
+        ref = pm(torch.tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
+    assert np.abs(ref - ours).max() <= tol, (np.abs(ref - ours).max(), tol)
+    merged = np.asarray(lora.merge_lora(m)(tokens)[0])
+    assert np.abs(merged - ours).max() <= tol, (np.abs(merged - ours).max(), tol)

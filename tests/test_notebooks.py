@@ -1,4 +1,5 @@
-"""The course notebooks: every one executes headless with quick parameters, and git holds them clean.
+"""The course notebooks: every one executes headless with quick parameters, run exactly as `make course`
+runs them (the same command, the same working directory, a relative --out), and git holds them clean.
 
 Outputs are not compared (training numbers drift); each notebook asserts its own key results in its
 final cell and writes them to `results_path`, which the runner reads back.
@@ -6,7 +7,12 @@ final cell and writes them to `results_path`, which the runner reads back.
 from __future__ import annotations
 
 import json
+import os
 import py_compile
+import shutil
+import subprocess
+import sys
+import uuid
 from pathlib import Path
 
 import nbformat
@@ -32,10 +38,35 @@ def test_notebook_structure(name):
         assert needle in md, f"{name}: no '{needle}' section"
     params = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
     assert len(params) == 1, f"{name}: expected exactly one cell tagged 'parameters', found {len(params)}"
-    for var in ("quick", "results_path", *nbrun.QUICK_PARAMS.get(name, {})):
+    for var in ("quick", "results_path", "work_dir", *nbrun.QUICK_PARAMS.get(name, {})):
         assert f"{var} =" in params[0].source, f"{name}: parameters cell does not define {var}"
     long_cells = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and len(c.source.splitlines()) > 30]
     assert not long_cells, f"{name}: code cells {long_cells} are long; that code belongs in amdllm"
+
+
+def test_notebooks_use_the_kernel_the_runner_and_make_lab_install():
+    """One kernel name everywhere: the notebooks' kernelspec, the runner's, and the Makefile's `lab`."""
+    for name in PRESENT:
+        nb = nbformat.read(nbrun.NOTEBOOK_DIR / f"{name}.ipynb", as_version=4)
+        assert nb.metadata["kernelspec"]["name"] == nbrun.KERNEL_NAME, name
+    makefile = (nbrun.REPO / "Makefile").read_text()
+    assert "amdllm.notebooks kernel" in makefile.split("\nlab:")[1].split("\n\n")[0]
+    spec = json.loads((nbrun.ensure_kernel() / "kernel.json").read_text())
+    assert spec["argv"][0] == sys.executable
+
+
+def test_params_are_resolved_for_the_kernel_and_checked(tmp_path, monkeypatch):
+    """A relative --param path is the caller's (the kernel runs in notebooks/), a parameter goes only to the
+    notebooks that declare it, and one that none declares is an error naming it."""
+    monkeypatch.chdir(tmp_path)
+    p = nbrun._params_for("03_lora_finetuning", False, tmp_path / "r.json", tmp_path / "w",
+                          {"model_dir": "mine/llama", "train_data": "t.jsonl", "rank": 4})
+    assert p["model_dir"] == str(tmp_path / "mine" / "llama") and p["train_data"] == str(tmp_path / "t.jsonl")
+    assert p["rank"] == 4
+    assert "train_data" not in nbrun._params_for("01_weight_conversion", False, tmp_path / "r.json",
+                                                 tmp_path / "w", {"train_data": "t.jsonl"})
+    with pytest.raises(ValueError, match="--param trian_data: no selected notebook"):
+        nbrun.run(tmp_path / "out", only=["03"], parameters={"trian_data": "t.jsonl"})
 
 
 def test_committed_notebooks_are_stripped():
@@ -87,14 +118,39 @@ def compile_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("jax-cache")
 
 
+def run_like_make_course(only: str, compile_cache, params: dict | None = None, timeout: int = 900):
+    """`python -m amdllm.notebooks run --out build/... --quick` from the repository root, as `make course`
+    runs it: a relative --out, resolved by the runner against the command's working directory while the
+    kernels run in notebooks/. Returns (summary records, the relative out dir); the caller removes it."""
+    out = Path("build") / f"pytest-{only}-{uuid.uuid4().hex[:8]}"
+    cmd = [sys.executable, "-m", "amdllm.notebooks", "run", "--out", str(out), "--quick", "--only", only,
+           "--compile-cache", str(compile_cache)]
+    for k, v in (params or {}).items():
+        cmd += ["--param", f"{k}={v}"]
+    env = {**os.environ, "PYTHONPATH": str(nbrun.REPO)}
+    proc = subprocess.run(cmd, cwd=nbrun.REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    summary = nbrun.REPO / out / "summary.json"
+    assert summary.is_file(), f"no {out}/summary.json (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+    assert not (nbrun.NOTEBOOK_DIR / out).exists(), "results landed under notebooks/, the kernel's directory"
+    return json.loads(summary.read_text()), out, proc
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", PRESENT)
-def test_notebook_executes(name, tmp_path, compile_cache):
-    rec = nbrun.run_one(name, tmp_path, quick=True, timeout=600, compile_cache=compile_cache)
-    assert rec["ok"], f"{name} failed after {rec['seconds']} s: {rec['error']} (executed copy: {rec['executed']})"
-    assert rec["results"], f"{name} recorded no results"
-    executed = nbformat.read(rec["executed"], as_version=4)
-    assert any("injected-parameters" in c.metadata.get("tags", []) for c in executed.cells)
+def test_notebook_executes(name, compile_cache):
+    recs, out, proc = run_like_make_course(name.split("_")[0], compile_cache)
+    try:
+        rec = recs[0]
+        assert rec["ok"] and proc.returncode == 0, (f"{name} failed after {rec['seconds']} s: {rec['error']} "
+                                                    f"(executed copy: {rec['executed']})")
+        assert rec["results"], f"{name} recorded no results"
+        executed = nbformat.read(rec["executed"], as_version=4)
+        assert any("injected-parameters" in c.metadata.get("tags", []) for c in executed.cells)
+        assert "Passed unknown parameter" not in proc.stderr, proc.stderr  # every injected name is a parameter
+        assert "without encryption" not in proc.stderr, proc.stderr        # the kernel talks over IPC
+        assert set(os.listdir(nbrun.REPO / out)) <= {f"{name}.ipynb", f"{name}.results.json", "summary.json", "work"}
+    finally:
+        shutil.rmtree(nbrun.REPO / out, ignore_errors=True)
 
 
 def test_layer_sharding_figure_and_memory_snapshot():
