@@ -254,7 +254,8 @@ def test_quantize_cli_then_eval(tmp_path, capsys):
     assert cli.main(bad + ["--samples", "1", "--seq-len", "16", "--group-size", "32", "--json"]) == 2
     assert "too few calibration tokens: 1 x 16 = 16; need at least 256" in capsys.readouterr().err
     assert cli.main(bad + ["--json"]) == 2  # default group size 128 on in_features 64
-    assert "group_size 128 does not divide in_features 64" in capsys.readouterr().err
+    err = capsys.readouterr().err  # the sizes at fault, and the flag value that would work
+    assert "--group-size 128 does not divide the in_features [64, 128]" in err and "pass --group-size 64" in err
     assert not (tmp_path / "bad").exists()
 
 
