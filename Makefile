@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml requirements/lock.txt
 	@# PYTHONWARNINGS: setuptools prints a notice on every editable install that the source tree is
 	@# imported from directly (which is the point); nothing to act on
 	PYTHONWARNINGS=ignore $(BIN)/python -m pip install -q -c requirements/lock.txt -e ".[all]"
-	$(BIN)/python -m amdllm.notebooks kernel
+	$(BIN)/python -m amdllm.course.notebooks kernel
 	@touch $@
 
 install: $(STAMP)
@@ -47,10 +47,10 @@ model: install
 
 course: install
 	$(BIN)/python -m amdllm.course build
-	$(BIN)/python -m amdllm.notebooks run --out build
+	$(BIN)/python -m amdllm.course.notebooks run --out build
 
 lab: install
-	$(BIN)/python -m amdllm.notebooks kernel
+	$(BIN)/python -m amdllm.course.notebooks kernel
 	$(BIN)/jupyter lab notebooks/
 
 # GPTQModel, the reference side of benchmarks/bench_gptq.py, goes in its own venv that sees .venv's packages

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from amdllm.files import atomic_write_text, read_json
+
 SUPPORTED_MODEL_TYPES = ("llama",)
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -153,7 +155,6 @@ class LlamaConfig:
             p = p / "config.json"
         if not p.is_file():
             raise ConfigError(f"{p}: config.json not found (is this a Hugging Face checkpoint directory?)")
-        from amdllm.io import read_json
         return cls.from_dict(read_json(p, ConfigError), source=str(p))
 
     def to_dict(self) -> dict[str, Any]:
@@ -178,7 +179,6 @@ class LlamaConfig:
         return d
 
     def to_json(self, path: str | os.PathLike) -> None:
-        from amdllm.io import atomic_write_text
         p = Path(path)
         if p.is_dir():
             p = p / "config.json"

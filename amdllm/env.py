@@ -52,7 +52,7 @@ def _host_memory() -> int | None:
 
 
 def _jax_facts() -> dict:
-    import jax
+    import jax  # here, not at the top: `doctor` must still report when importing JAX itself is what fails
     f: dict = {"backend": None, "platform_version": None, "devices": [], "error": None}
     try:
         f["backend"] = jax.default_backend()
@@ -83,7 +83,7 @@ def _torch_facts() -> dict:
     if importlib.util.find_spec("torch") is None:
         return {"installed": False}
     try:
-        import torch
+        import torch  # optional: only if installed (find_spec above)
         return {"installed": True, "version": torch.__version__, "hip": getattr(torch.version, "hip", None),
                 "cuda": getattr(torch.version, "cuda", None), "gpu_available": bool(torch.cuda.is_available()),
                 "gpu_count": int(torch.cuda.device_count()) if torch.cuda.is_available() else 0}
@@ -195,16 +195,3 @@ def format_report(r: dict) -> str:
     lines.append("env: " + (", ".join(f"{k}={v}" for k, v in set_env.items()) or "(none of the JAX/ROCm variables set)"))
     lines += [f"WARNING: {m}" for m in r["warnings"]] or ["no warnings"]
     return "\n".join(lines)
-
-
-def add_cli(sub) -> None:
-    p = sub.add_parser("doctor", help="backend, devices, memory, versions and set-up warnings")
-    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    p.set_defaults(func=_cli)
-
-
-def _cli(args) -> int:
-    from amdllm.cli import emit
-    r = doctor()
-    emit(r, args.json, format_report(r))
-    return 0

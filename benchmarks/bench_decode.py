@@ -36,8 +36,8 @@ def main() -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from amdllm import checkpoint
-    from amdllm.generate import generate_ids
+    from amdllm.io import checkpoint
+    from amdllm.infer.generate import generate_ids
     from amdllm.model import to_pure, forward
 
     torch.set_num_threads(os.cpu_count() or 1)

@@ -9,7 +9,7 @@ calibration batch 8.
 Each side runs in its own process, one after the other, timed from the parent (wall and CPU seconds of
 the child) and from inside (load -> calibrate -> quantize -> pack -> save, no imports/start-up).
 amdllm's side is the `amdllm quantize` command a user runs (it also computes its per-layer GPTQ-vs-RTN
-report, GPTQModel does its own logging). Both checkpoints are then loaded by `amdllm.checkpoint.load`
+report, GPTQModel does its own logging). Both checkpoints are then loaded by `amdllm.io.checkpoint.load`
 and scored by the same protocol: `amdllm eval`'s (docs/cli.md) (held-out course text, tokenized whole,
 non-overlapping 256-token windows).
 
@@ -101,7 +101,8 @@ def code_agreement(dir_a: Path, dir_b: Path, bits: int = 4) -> dict:
     """How alike two GPTQ checkpoints are: share of identical codes, largest relative scale difference."""
     import numpy as np
 
-    from amdllm.quant_format import read_checkpoint_tensors, unpack_rows
+    from amdllm.io.gptq_format import read_checkpoint_tensors
+    from amdllm.model.quantized import unpack_rows
     a, b = read_checkpoint_tensors(dir_a), read_checkpoint_tensors(dir_b)
     same = far = total = 0
     scale_rel = 0.0
@@ -133,11 +134,12 @@ def main() -> None:
 
     import numpy as np
 
-    from amdllm import checkpoint, course, gptq
+    from amdllm.io import checkpoint
+    from amdllm import course, quant as gptq
     from amdllm.config import get_preset
-    from amdllm.evaluate import evaluate_text
-    from amdllm.gptq_calib import devices_needed
-    from amdllm.tokenizer import load_tokenizer
+    from amdllm.infer.evaluate import evaluate_text
+    from amdllm.quant.calibrate import devices_needed
+    from amdllm.io.tokenizer import load_tokenizer
 
     model_dir = course.default_model_dir()
     tok = load_tokenizer(model_dir)
@@ -237,8 +239,9 @@ def grid(args, rows, extra, model_dir, windows, ppl, fp32, quant_dir_model, tok)
     """bfloat16, per-channel and 3-bit rows (in memory; 3-bit is not packable), decode tokens/s."""
     import jax.numpy as jnp
 
-    from amdllm import checkpoint, gptq
-    from amdllm.generate import Decoder
+    from amdllm.io import checkpoint
+    from amdllm import quant as gptq
+    from amdllm.infer.generate import Decoder
 
     bf16 = checkpoint.load(model_dir, dtype=jnp.bfloat16)
     rows.insert(1, {"model": "bfloat16", "perplexity": ppl(bf16), "bytes": gptq.model_bytes(bf16)})

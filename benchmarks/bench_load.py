@@ -50,7 +50,7 @@ def child(side: str, path: str) -> dict:
         import jax
         import jax.numpy as jnp
         import numpy as np
-        from amdllm import checkpoint
+        from amdllm.io import checkpoint
         base = rss_bytes()
         t0, c0 = time.perf_counter(), time.process_time()
         if path == "-":

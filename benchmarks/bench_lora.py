@@ -6,7 +6,7 @@ competing for cores, and a load change on a shared machine hits both); the secon
 timed (see `run_alternating`). Reports tokens/s (token positions processed per second), MFU, the ratio
 of medians and the ratio per round.
 
-MFU = tokens/s * FLOPs/token / peak. FLOPs/token is the planner's LoRA count (amdllm.plan):
+MFU = tokens/s * FLOPs/token / peak. FLOPs/token is the planner's LoRA count (amdllm.parallel.plan):
 4N + 12*L*S*q + 6*L*r*sum(in+out), N = matmul parameters (lm_head included): forward 2N plus
 activation gradients 2N, NO frozen weight gradients. Peak: the planner's table on accelerators; on a
 CPU, measured in the run. On a shared VM the float32 matmul rate jumps between ~75 and ~155 GFLOP/s
@@ -52,7 +52,8 @@ def bench_amdllm(a):
     import jax.numpy as jnp
     from flax import nnx
 
-    from amdllm import lora, train
+    from amdllm.model import lora
+    from amdllm import train
     from amdllm.config import LlamaConfig
     from amdllm.model import Llama
 

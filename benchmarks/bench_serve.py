@@ -1,7 +1,7 @@
 """Serving under load: the same bounded load against `amdllm serve` one-at-a-time (--max-batch 1) and batched.
 
 C concurrent clients (threads sharing one `openai` client) send R greedy completion requests in total, each
-with a timeout; the run stops by itself. Every answer is checked against `amdllm.generate` on the same
+with a timeout; the run stops by itself. Every answer is checked against `amdllm.infer.generate` on the same
 prompt (none may get another's output). Reported per side: wall time, requests/s, generated tokens/s,
 latency p50/p95/max, the mean and largest batch the engine decoded (from the server's /health), failures.
 Each side is the real `amdllm serve` in its own process (clients in the server's process would compete
@@ -121,10 +121,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="folder for the JSON result")
     args = ap.parse_args(argv)
 
-    from amdllm.course import heldout_text_path
-    from amdllm.generate import generate, load_model
+    from amdllm.course import default_model_dir, heldout_text_path
+    from amdllm.infer.generate import generate, load_model
 
-    model, tok, model_dir = load_model(args.model)
+    model, tok, model_dir = load_model(args.model or default_model_dir())
     prompts = distinct_prompts(Path(heldout_text_path()).read_text(), args.prompts)
     # references: generate's greedy tokens, in batches (batched generate equals one prompt at a time)
     refs = {}

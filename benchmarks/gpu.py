@@ -4,9 +4,9 @@
    (HBM bandwidth, bytes read + written).
 1. LoRA fine-tuning step on a Llama-3.1-8B-shaped model (random bf16 weights, sequence 2048, remat,
    LoRA rank 8 on all seven projections, AdamW): the largest batch whose compiled step fits (checked with
-   XLA's memory analysis before running), tokens/s and MFU. FLOPs per token by amdllm.plan's LoRA count
+   XLA's memory analysis before running), tokens/s and MFU. FLOPs per token by amdllm.parallel.plan's LoRA count
    (4N + attention + LoRA terms: no weight gradients for frozen weights); MFU against the datasheet dense
-   bf16 peak (amdllm.plan's table) and against the matmul rate measured in step 0.
+   bf16 peak (amdllm.parallel.plan's table) and against the matmul rate measured in step 0.
 2. Decoding tokens/s (greedy, 128 new tokens after a 32-token prompt, batch 1 and 8) with bf16 weights and
    with 4-bit packed weights (GPTQ v1 layout, group 128, random codes: the same `QuantLinear` kernels a
    GPTQ checkpoint loads into, without spending the lease on quantizing 8B parameters), against the
@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine_info  # noqa: E402
 
-# Datasheet HBM bandwidth (bytes/s) by amdllm.plan accelerator key.
+# Datasheet HBM bandwidth (bytes/s) by amdllm.parallel.plan accelerator key.
 HBM_BYTES_PER_S = {"h200": 4.8e12, "h100": 3.35e12, "mi300x": 5.3e12, "mi325x": 6.0e12, "mi250x": 3.2e12,
                    "a100": 2.0e12}
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -68,7 +68,9 @@ def lora_step(cfg, seq_len, batches, steps, measured_peak, log):
     import jax
     import jax.numpy as jnp
     from flax import nnx
-    from amdllm import lora as lora_mod, plan, train
+    from amdllm.model import lora as lora_mod
+    from amdllm.parallel import plan
+    from amdllm import train
     from amdllm.model import Llama
 
     model = Llama(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16, dtype=jnp.bfloat16, remat=True)
@@ -125,7 +127,7 @@ def random_int4(model, group_size=128, seed=0):
     import jax
     import jax.numpy as jnp
     from amdllm import model as M
-    from amdllm.quant_format import QuantLinear
+    from amdllm.model.quantized import QuantLinear
     key = jax.random.key(seed)
     for i, proj in enumerate(M.PROJECTIONS):
         L, K, N = getattr(model.layers, proj)[...].shape
@@ -144,8 +146,8 @@ def decode(cfg, quant: bool, batches, new_tokens, bandwidth, log):
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
-    from amdllm.generate import Decoder, generate_ids
-    from amdllm.gptq_calib import model_bytes
+    from amdllm.infer.generate import Decoder, generate_ids
+    from amdllm.quant.calibrate import model_bytes
     from amdllm.model import Llama
     from amdllm.train import accelerator_name
 

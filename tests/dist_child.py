@@ -21,7 +21,8 @@ jax.config.update("jax_cpu_collectives_implementation", "gloo")
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from amdllm import checkpoint, distributed, sharding  # noqa: E402
+from amdllm.io import checkpoint  # noqa: E402
+from amdllm.parallel import distributed, sharding
 
 
 def status(field: str) -> int:

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from amdllm.attention import attention, cached_attention, causal_attention, query_blocks
+from amdllm.model.attention import attention, cached_attention, causal_attention, query_blocks
 from amdllm.model import swiglu, swiglu2
 
 

@@ -13,8 +13,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tests.tiny import hf_logits, make_hf_checkpoint, random_tokens
 
-from amdllm import checkpoint
-from amdllm.checkpoint import CheckpointError
+from amdllm.io import checkpoint
+from amdllm.io.checkpoint import CheckpointError
 from amdllm.config import ConfigError
 
 
@@ -256,7 +256,7 @@ def test_shardings_by_hand(f32, tmp_path):
 
 
 def test_mesh_and_rules(f32):
-    from amdllm.sharding import make_mesh
+    from amdllm.parallel.sharding import make_mesh
     mesh = make_mesh("fsdp=4", devices=jax.devices()[:4])
     plain = _state(checkpoint.load(f32[0]))
     model = checkpoint.load(f32[0], mesh=mesh, rules="fsdp")
@@ -309,7 +309,7 @@ def test_device_put_adopts_the_aligned_host_buffer():
 
 def test_reader_errors_shared_with_gptq(tmp_path):
     """quant_format reads safetensors with the same reader: its checks, reported as QuantFormatError."""
-    from amdllm.quant_format import QuantFormatError, read_safetensors
+    from amdllm.io.gptq_format import QuantFormatError, read_safetensors
     f = tmp_path / "x.safetensors"
     checkpoint.save_tensors(f, {"a": np.arange(6, dtype=np.int32).reshape(2, 3)})
     assert np.array_equal(read_safetensors(f)["a"], np.arange(6).reshape(2, 3))

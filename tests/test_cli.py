@@ -21,7 +21,7 @@ TEXT = ("Once upon a time, there was a little blue cat named Maya. Maya lived in
 def ckpt(tmp_path_factory):
     """A random tiny Llama over the course tokenizer's vocabulary, saved by transformers, tokenizer files
     beside it: a checkpoint directory exactly as `--model` expects."""
-    from amdllm.tokenizer import load_tokenizer
+    from amdllm.io.tokenizer import load_tokenizer
     tok = load_tokenizer("data/tokenizer")
     d, hf = make_hf_checkpoint(tmp_path_factory.mktemp("cli"), seed=3, vocab_size=len(tok),
                                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,

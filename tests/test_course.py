@@ -1,4 +1,4 @@
-"""The course data, its tokenizer and the embedded default model (amdllm.corpus/tokenizer/course).
+"""The course data, its tokenizer and the embedded default model (amdllm.course.corpus, amdllm.io.tokenizer, amdllm.course.default_model).
 
 The default model is committed in data/default_model/ (its recipe takes ~20 minutes on 2 cores); these tests
 check that it is today's recipe's build, that the recipe is deterministic, and what the model learned.
@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from amdllm import corpus, course
-from amdllm.tokenizer import (BOS, EOS, PAD, TOKENIZER_FILES, TokenizerError, load_tokenizer,
-                              save_for_transformers, train_bpe)
+from amdllm.course import corpus
+from amdllm.course import default_model as course
+from amdllm.io.tokenizer import (BOS, EOS, PAD, WRITTEN_FILES as TOKENIZER_FILES, TokenizerError, load_tokenizer,
+                                 save_for_transformers, train_bpe)
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "data"
@@ -116,7 +117,7 @@ def test_locations():
 
 _FAKE_BUILDER = """
 import os, sys, time
-from amdllm import course
+from amdllm.course import default_model as course
 def fake_build(target, data=None, progress=True):
     with open(os.environ["BUILD_LOG"], "a") as f:
         f.write(f"{os.getpid()}\\n")
@@ -223,8 +224,8 @@ def test_default_model_heldout_perplexity_with_transformers(default_dir):
 
 
 def test_default_model_greedy_continuation_is_corpus_text(default_dir):
-    from amdllm.checkpoint import load
-    from amdllm.generate import generate
+    from amdllm.io.checkpoint import load
+    from amdllm.infer.generate import generate
 
     model, tok = load(default_dir), load_tokenizer(default_dir)
     vocab = set(words_of((DATA / "corpus_train.txt").read_text()))
@@ -240,7 +241,7 @@ def test_default_model_greedy_continuation_is_corpus_text(default_dir):
 def test_default_model_copies_words_but_cannot_answer_the_task(default_dir):
     """What the course task builds on: the base model copies a quoted word of five kinds from earlier in a
     held-out story (the 150-step first recipe never did), but answers no task question (it tells stories)."""
-    from amdllm.checkpoint import load
+    from amdllm.io.checkpoint import load
     from amdllm.train import task_accuracy
 
     model, tok = load(default_dir), load_tokenizer(default_dir)

@@ -3,7 +3,7 @@
 `tests/foreign.py` builds it with `transformers` and `tokenizers`: hidden size 96 (so GPTQ's group size
 128 cannot apply), tied embeddings, a Llama-2-style tokenizer without a pad token, its own text and its
 own instruction task. Each lesson gets the model and the data as notebook parameters, exactly as a
-teacher passes them to `python -m amdllm.notebooks run --param ...`, and must pass its own checks, which
+teacher passes them to `python -m amdllm.course.notebooks run --param ...`, and must pass its own checks, which
 hold a foreign model to its own before/after rather than to the course's numbers.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from amdllm import notebooks as nbrun
+from amdllm.course import notebooks as nbrun
 from tests.foreign import build_foreign
 from tests.test_notebooks import run_like_make_course
 

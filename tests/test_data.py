@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from amdllm import data
+from amdllm.train import data
 from amdllm.config import LlamaConfig
 from amdllm.model import Llama
-from amdllm.tokenizer import load_tokenizer
+from amdllm.io.tokenizer import load_tokenizer
 
 TOK_DIR = Path(__file__).resolve().parents[1] / "data" / "tokenizer"
 

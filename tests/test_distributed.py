@@ -19,7 +19,8 @@ import jax
 import numpy as np
 import pytest
 
-from amdllm import checkpoint, distributed
+from amdllm.io import checkpoint
+from amdllm.parallel import distributed
 from amdllm.config import LlamaConfig
 from amdllm.model import forward, to_pure
 from tests.tiny import hf_logits, make_hf_checkpoint, random_tokens

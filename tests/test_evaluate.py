@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from amdllm.evaluate import evaluate_text, perplexity, windows
+from amdllm.infer.evaluate import evaluate_text, perplexity, windows
 from tests.test_generate import ours_from_hf
 from tests.tiny import make_hf_model
 
@@ -53,7 +53,7 @@ def test_windows_follow_the_protocol():
 
 
 def test_evaluate_text_tokenizes_whole_text(models):
-    from amdllm.tokenizer import load_tokenizer
+    from amdllm.io.tokenizer import load_tokenizer
     hf, _ = models
     tok = load_tokenizer("data/tokenizer")
     text = "Once upon a time, there was a little blue cat named Maya. Maya lived in the house. " * 3
@@ -78,8 +78,8 @@ def test_too_short_is_a_clear_error(models):
 def test_sharded_model_evaluates_and_generates_the_same(models):
     """On a data=2,fsdp=2,tensor=2 mesh of the 8 simulated devices (weights sharded by the rules table),
     perplexity and greedy generation equal the unsharded model's: jit follows the weights' shardings."""
-    from amdllm.generate import generate_ids
-    from amdllm.sharding import make_mesh, shard_model
+    from amdllm.infer.generate import generate_ids
+    from amdllm.parallel.sharding import make_mesh, shard_model
     from tests.test_generate import PROMPTS
     hf, ours = models
     ids = np.random.default_rng(5).integers(3, 128, 200).tolist()

@@ -9,7 +9,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from amdllm.generate import Decoder, _compiled, generate_ids, pack_prompts, sample_token
+from amdllm.infer.generate import Decoder, _compiled, generate_ids, pack_prompts, sample_token
 from tests.tiny import make_hf_model
 
 PROMPTS = [[1, 5, 9, 22, 17], [1, 40], [1, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]]
@@ -19,11 +19,11 @@ N_NEW = 32
 def ours_from_hf(hf_model, dtype=jnp.float32):
     """Our Llama with the weights of a transformers LlamaForCausalLM (transposing [out, in] -> [in, out]).
 
-    Through `amdllm.checkpoint` when it is importable (save + load, the real path), else by copying the
+    Through `amdllm.io.checkpoint` when it is importable (save + load, the real path), else by copying the
     state dict here (a stand-in while the loader is being written)."""
     import tempfile
     try:
-        from amdllm.checkpoint import load
+        from amdllm.io.checkpoint import load
     except ImportError:
         load = None
     if load is not None:
@@ -170,8 +170,8 @@ def test_decode_step_compiles_once_per_bucket(models):
 
 def test_context_limit_is_a_clear_error(tmp_path):
     import pytest
-    from amdllm import checkpoint
-    from amdllm.generate import generate_ids
+    from amdllm.io import checkpoint
+    from amdllm.infer.generate import generate_ids
     from tests.tiny import make_hf_checkpoint
     d, _ = make_hf_checkpoint(tmp_path, max_position_embeddings=32)
     model = checkpoint.load(d)
@@ -182,7 +182,7 @@ def test_context_limit_is_a_clear_error(tmp_path):
 def test_per_layer_decoding_shares_weight_memory_and_matches_the_scan(models):
     """On the CPU the decode step runs per-layer weight views (`layer_views`): they must alias the
     stacked arrays (no second copy of the model) and give the scanned step's tokens and logits."""
-    from amdllm.generate import layer_views
+    from amdllm.infer.generate import layer_views
     from amdllm.model import to_pure
     _, ours = models
     _, layers = to_pure(ours)
@@ -202,7 +202,7 @@ def test_per_layer_decoding_shares_weight_memory_and_matches_the_scan(models):
 
 
 def test_forward_takes_per_layer_weights_and_either_cache_layout(models):
-    from amdllm.generate import layer_views
+    from amdllm.infer.generate import layer_views
     from amdllm.model import forward, init_cache, to_pure
     _, ours = models
     cfg = ours.cfg
@@ -231,7 +231,7 @@ def test_forward_takes_per_layer_weights_and_either_cache_layout(models):
 
 
 def test_layer_views_of_bfloat16_weights_share_memory_too():
-    from amdllm.generate import layer_views
+    from amdllm.infer.generate import layer_views
     stacked = {"w": jnp.arange(4 * 8 * 16, dtype=jnp.bfloat16).reshape(4, 8, 16)}
     views = layer_views(stacked)
     assert views is not None

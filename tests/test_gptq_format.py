@@ -1,7 +1,7 @@
 """GPTQ on disk: packing, interop with the format as GPTQModel/AutoGPTQ write it, the quantize CLI, errors.
 
 Every expected value here is computed from the format spec (docs/formats.md) by code written
-in this file, independently of amdllm.quant_format.
+in this file, independently of amdllm.io.gptq_format.
 """
 import json
 import warnings
@@ -15,10 +15,12 @@ from safetensors.numpy import load_file, save_file
 
 from flax import nnx
 
-from amdllm import checkpoint, gptq
-from amdllm import quant_format as qf
+from amdllm.io import checkpoint
+from amdllm import quant as gptq
+from amdllm.io import gptq_format as qf
 from amdllm.model import PROJECTIONS
-from amdllm.quant_format import QuantFormatError, pack_cols, pack_rows, unpack_cols, unpack_rows
+from amdllm.io.gptq_format import QuantFormatError
+from amdllm.model.quantized import pack_cols, pack_rows, unpack_cols, unpack_rows
 from tests.tiny import hf_logits, make_hf_checkpoint
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -8,7 +8,9 @@ import pytest
 import torch
 from flax import nnx
 
-from amdllm import lora
+from amdllm.io import peft as peft_io
+from amdllm.io.names import HF_PARENT
+from amdllm.model import lora
 from amdllm.config import LlamaConfig
 from amdllm.model import Llama, LoRAParam
 
@@ -35,7 +37,7 @@ def ours_from_hf(hf) -> Llama:
     m.embed_tokens.value = jnp.asarray(sd["model.embed_tokens.weight"])
     m.norm.value = jnp.asarray(sd["model.norm.weight"])
     m.lm_head.value = jnp.asarray(sd["lm_head.weight"].T)
-    for name, parent in lora.HF_PARENT.items():
+    for name, parent in HF_PARENT.items():
         w = np.stack([sd[f"model.layers.{i}.{parent}.{name}.weight"].T for i in range(L)])
         getattr(m.layers, name).value = jnp.asarray(w)
     for name in ("input_layernorm", "post_attention_layernorm"):
@@ -94,7 +96,7 @@ def test_save_adapter_then_peft_reproduces_our_logits(tmp_path):
     randomize_b(m)
     ours = our_logits(m)
     assert np.abs(ours - torch_logits(hf)).max() > 1e-2  # the adapter really changes the output
-    lora.save_adapter(m, tmp_path / "ad", base_model_dir="some/base")
+    peft_io.save_adapter(m, tmp_path / "ad", base_model_dir="some/base")
     cfg = json.loads((tmp_path / "ad" / "adapter_config.json").read_text())
     assert cfg["peft_type"] == "LORA" and cfg["r"] == 4 and cfg["lora_alpha"] == 16
     assert cfg["target_modules"] == list(lora.PROJECTIONS) and cfg["task_type"] == "CAUSAL_LM"
@@ -115,7 +117,7 @@ def test_merge_equals_base_plus_adapter_and_peft_merge():
     # and equal to PEFT's own merge_and_unload of the same adapter, weight by weight
     import tempfile
     with tempfile.TemporaryDirectory() as d:
-        lora.save_adapter(m, d)
+        peft_io.save_adapter(m, d)
         pm = peft.PeftModel.from_pretrained(hf, d).merge_and_unload()
     w = pm.model.layers[1].mlp.gate_proj.weight.detach().numpy().T
     np.testing.assert_allclose(np.asarray(merged.layers.gate_proj[...][1]), w, atol=1e-6)
@@ -132,7 +134,7 @@ def test_load_peft_written_adapter(tmp_path):
             torch.nn.init.normal_(p, std=0.05)
     pm.save_pretrained(str(tmp_path / "p"))
     pm.eval()
-    m = lora.load_adapter(ours_from_hf(hf_model()), tmp_path / "p")
+    m = peft_io.load_adapter(ours_from_hf(hf_model()), tmp_path / "p")
     assert lora.lora_info(m) == {"rank": 6, "alpha": 12, "dropout": 0.1,
                                  "targets": ("k_proj", "v_proj", "up_proj", "down_proj")}
     np.testing.assert_allclose(our_logits(m), torch_logits(pm), atol=1e-4)
@@ -147,15 +149,15 @@ def test_bad_settings_are_clear_errors(tmp_path):
     with pytest.raises(lora.LoRAError, match=r"rank 40 is larger than layer k_proj.*\[64, 32\].*<= 32"):
         lora.apply_lora(m, rank=40, targets="q,k")
     with pytest.raises(FileNotFoundError, match="adapter_config.json"):
-        lora.load_adapter(m, tmp_path)
-    lora.save_adapter(lora.apply_lora(m, rank=2, targets="q"), tmp_path / "a")
+        peft_io.load_adapter(m, tmp_path)
+    peft_io.save_adapter(lora.apply_lora(m, rank=2, targets="q"), tmp_path / "a")
     cfg = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
     (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({**cfg, "target_modules": ["q_proj", "lm_head"]}))
     with pytest.raises(lora.LoRAError, match="adapter_config.json: unknown LoRA target module 'lm_head'"):
-        lora.load_adapter(m, tmp_path / "a")
+        peft_io.load_adapter(m, tmp_path / "a")
     (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({**cfg, "r": 3}))
     with pytest.raises(lora.LoRAError, match=r"q_proj.lora_A.weight has shape \(2, 64\), expected \(3, 64\)"):
-        lora.load_adapter(m, tmp_path / "a")
+        peft_io.load_adapter(m, tmp_path / "a")
 
 
 @pytest.mark.parametrize("targets", ["q,v,down", "q,k,v,o,gate,up,down"])
@@ -169,7 +171,7 @@ def test_fused_projections_match_peft_with_all_or_some_targets(tmp_path, targets
     m = lora.apply_lora(ours_from_hf(hf), rank=4, alpha=8, targets=targets, seed=2)
     randomize_b(m)
     ours = np.asarray(m(jnp.asarray(tokens))[0])
-    lora.save_adapter(m, tmp_path / "ad")
+    peft_io.save_adapter(m, tmp_path / "ad")
     pm = peft.PeftModel.from_pretrained(hf, str(tmp_path / "ad")).eval()
     with torch.no_grad():
         ref = pm(torch.tensor(tokens)).logits.float().numpy()
@@ -183,9 +185,11 @@ def test_peft_parity_at_the_course_recipe_size(tmp_path):
     from a quick run; the trained adapter changes the logits by far more than it."""
     from transformers import LlamaForCausalLM
 
-    from amdllm import checkpoint, course, data, train
+    from amdllm.io import checkpoint
+    from amdllm import course, train
+    from amdllm.train import data
     from amdllm.model import logit_tolerance
-    from amdllm.tokenizer import load_tokenizer
+    from amdllm.io.tokenizer import load_tokenizer
 
     model_dir = course.default_model_dir()
     tok = load_tokenizer(model_dir)

@@ -10,7 +10,7 @@ import pytest
 
 from tests.tiny import LLAMA3_ROPE, hf_logits, make_hf_checkpoint, random_tokens
 
-from amdllm import checkpoint
+from amdllm.io import checkpoint
 
 TOL = 1e-4  # float32 max abs difference on logits of magnitude ~2-3
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from amdllm import notebooks as nbrun
+from amdllm.course import notebooks as nbrun
 
 PRESENT = [n for n in nbrun.NOTEBOOKS if (nbrun.NOTEBOOK_DIR / f"{n}.ipynb").exists()]
 
@@ -50,7 +50,7 @@ def test_notebooks_use_the_kernel_the_runner_and_make_lab_install():
         nb = nbformat.read(nbrun.NOTEBOOK_DIR / f"{name}.ipynb", as_version=4)
         assert nb.metadata["kernelspec"]["name"] == nbrun.KERNEL_NAME, name
     makefile = (nbrun.REPO / "Makefile").read_text()
-    assert "amdllm.notebooks kernel" in makefile.split("\nlab:")[1].split("\n\n")[0]
+    assert "amdllm.course.notebooks kernel" in makefile.split("\nlab:")[1].split("\n\n")[0]
     spec = json.loads((nbrun.ensure_kernel() / "kernel.json").read_text())
     assert spec["argv"][0] == sys.executable
 
@@ -71,7 +71,7 @@ def test_params_are_resolved_for_the_kernel_and_checked(tmp_path, monkeypatch):
 
 def test_committed_notebooks_are_stripped():
     found = nbrun.strip(check=True)
-    assert not found, "notebooks with outputs (run `python -m amdllm.notebooks strip`): " + json.dumps(found)
+    assert not found, "notebooks with outputs (run `python -m amdllm.course.notebooks strip`): " + json.dumps(found)
 
 
 def test_strip_removes_outputs(tmp_path):
@@ -119,11 +119,11 @@ def compile_cache(tmp_path_factory):
 
 
 def run_like_make_course(only: str, compile_cache, params: dict | None = None, timeout: int = 900):
-    """`python -m amdllm.notebooks run --out build/... --quick` from the repository root, as `make course`
+    """`python -m amdllm.course.notebooks run --out build/... --quick` from the repository root, as `make course`
     runs it: a relative --out, resolved by the runner against the command's working directory while the
     kernels run in notebooks/. Returns (summary records, the relative out dir); the caller removes it."""
     out = Path("build") / f"pytest-{only}-{uuid.uuid4().hex[:8]}"
-    cmd = [sys.executable, "-m", "amdllm.notebooks", "run", "--out", str(out), "--quick", "--only", only,
+    cmd = [sys.executable, "-m", "amdllm.course.notebooks", "run", "--out", str(out), "--quick", "--only", only,
            "--compile-cache", str(compile_cache)]
     for k, v in (params or {}).items():
         cmd += ["--param", f"{k}={v}"]
@@ -156,10 +156,11 @@ def test_notebook_executes(name, compile_cache):
 def test_layer_sharding_figure_and_memory_snapshot():
     """The figures the lessons show headless: one panel per projection, and the planner's snapshot that a
     rendered notebook keeps (widget output is not saved); an impossible mesh gives no figure, not a stale one."""
-    from amdllm import plots, sharding
+    from amdllm.course import plots
+    from amdllm.parallel import sharding
     from amdllm.course import MODEL
     from amdllm.config import LlamaConfig
-    from amdllm.widgets import MemoryExplorer
+    from amdllm.course.widgets import MemoryExplorer
 
     cfg = LlamaConfig(**MODEL, vocab_size=1152)
     fig = plots.layer_sharding(cfg, sharding.make_mesh("fsdp=4,tensor=2"), "fsdp_tp")

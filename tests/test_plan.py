@@ -9,10 +9,10 @@ import optax
 import pytest
 from flax import nnx
 
-from amdllm import plan as PL, sharding as S
+from amdllm.parallel import plan as PL, sharding as S
 from amdllm.cli import main
 from amdllm.config import PRESETS, LlamaConfig
-from amdllm.lora import apply_lora
+from amdllm.model.lora import apply_lora
 from amdllm.model import Llama, cross_entropy, forward, to_pure
 
 # The embedded default model's shape (amdllm/course.py MODEL; vocabulary padded to a multiple of 64).

@@ -3,7 +3,7 @@
 One server (module fixture) is started with `start_server(model_dir=...)`, i.e. through the real
 loaders (checkpoint.load + load_tokenizer), with a small cache (64 slots, 4 rows) so that a short load
 test exercises every path of the batching engine: rows joining and leaving, and cache shifts.
-References: `amdllm.generate.generate` (the CLI's generation) and transformers' greedy `generate`.
+References: `amdllm.infer.generate.generate` (the CLI's generation) and transformers' greedy `generate`.
 """
 import concurrent.futures as cf
 import json
@@ -29,9 +29,9 @@ PROMPTS = ["the cat", "a bird sang", "the dog ran to", "the park", "tom had", "a
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from amdllm import tokenizer as T
-    from amdllm.checkpoint import load
-    from amdllm.serve import start_server
+    from amdllm.io import tokenizer as T
+    from amdllm.io.checkpoint import load
+    from amdllm.infer.serve import start_server
 
     tmp = tmp_path_factory.mktemp("serve")
     (tmp / "text.txt").write_text(TEXT)
@@ -50,7 +50,7 @@ def served(tmp_path_factory):
 
 def reference(served, prompts, n, **kw):
     """`generate` one prompt at a time (batch 1 compiles once; batched equality is generate's own test)."""
-    from amdllm.generate import generate
+    from amdllm.infer.generate import generate
     return [generate(served["model"], served["tok"], p, n, **kw)[0] for p in prompts]
 
 
@@ -181,7 +181,7 @@ def test_each_bad_request_gets_its_4xx_and_the_server_keeps_serving(served):
 def test_api_key_when_set(served):
     from fastapi.testclient import TestClient
 
-    from amdllm.serve import ServerConfig, create_app
+    from amdllm.infer.serve import ServerConfig, create_app
     app = create_app(served["h"].engine, ServerConfig("tiny-chat", api_key="sekret", max_tokens_cap=CAP))
     with TestClient(app) as tc:
         body = {"model": "tiny-chat", "prompt": "the cat", "max_tokens": 3, "temperature": 0}
@@ -292,7 +292,7 @@ def test_chat_page_answers_in_headless_chromium(served, tmp_path):
 def test_engine_joins_running_batch_and_shifts_the_cache(served):
     """Requests join a running batch at chosen steps (submitted from the worker's own callbacks, so the
     schedule is deterministic) until the 64-slot cache must be shifted left; outputs stay exact."""
-    from amdllm.engine import Request
+    from amdllm.infer.engine import Request
     eng = served["h"].engine
     refs = [(p, r) for p, r in zip(PROMPTS, reference(served, PROMPTS, 30)) if 1 not in r["token_ids"]]
     assert len(refs) >= 3, "the tiny model should not emit EOS that often"
@@ -339,12 +339,12 @@ def test_engine_joins_running_batch_and_shifts_the_cache(served):
 def test_serves_gptq_checkpoint_with_lora_adapter(served, tmp_path):
     """`--model GPTQ_DIR --adapter DIR`: 4-bit projections plus LoRA, loaded from disk by the server's own
     loader; greedy output equals `generate` on the same model, and the adapter changes it."""
-    from amdllm.checkpoint import load
-    from amdllm.generate import generate, load_model
-    from amdllm.gptq import QuantSpec
-    from amdllm.gptq_calib import quantize_model
-    from amdllm.quant_format import quant_config_dict, save_quantized
-    from amdllm.serve import start_server
+    from amdllm.io.checkpoint import load
+    from amdllm.infer.generate import generate, load_model
+    from amdllm.quant import QuantSpec
+    from amdllm.quant.calibrate import quantize_model
+    from amdllm.io.gptq_format import quant_config_dict, save_quantized
+    from amdllm.infer.serve import start_server
 
     spec = QuantSpec(bits=4, group_size=32)
     qmodel, _ = quantize_model(load(served["dir"]), None, spec, method="rtn", progress=False)
@@ -364,7 +364,7 @@ def test_serves_gptq_checkpoint_with_lora_adapter(served, tmp_path):
         "target_modules": ["q_proj", "v_proj"], "bias": "none"}))
 
     model, tok, _ = load_model(gdir, adir)
-    from amdllm.quant_format import QuantLinear
+    from amdllm.model.quantized import QuantLinear
     assert isinstance(model.layers.q_proj, QuantLinear) and model.lora_scale == 2.0  # really 4-bit + LoRA
     prompt = PROMPTS[6]
     ref = generate(model, tok, prompt, 10)[0]["token_ids"]

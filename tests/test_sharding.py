@@ -11,9 +11,11 @@ import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from amdllm import checkpoint, sharding as S  # noqa: E402
+from amdllm.io import checkpoint  # noqa: E402
+from amdllm.parallel import sharding as S  # noqa: E402
+from amdllm.course import plots  # noqa: E402
 from amdllm.config import LlamaConfig  # noqa: E402
-from amdllm.lora import apply_lora  # noqa: E402
+from amdllm.model.lora import apply_lora  # noqa: E402
 from amdllm.model import forward, param_table, to_pure  # noqa: E402
 from tests.tiny import hf_logits, make_hf_checkpoint, random_tokens  # noqa: E402
 
@@ -170,7 +172,7 @@ def test_table_and_pictures(capsys):
     assert sum(r["bytes"] for r in rows) == cfg.num_params() * 4
     text = S.format_table(rows)
     assert "layers/q_proj" in text and "total" in text and "(None, 'fsdp', 'tensor')" in text
-    fig = S.plot_layer_sharding(cfg, mesh, "fsdp_tp")
+    fig = plots.plot_layer_sharding(cfg, mesh, "fsdp_tp")
     assert isinstance(fig, matplotlib.figure.Figure)
     titled = [a for a in fig.axes if a.get_title()]
     assert len(titled) == 9  # q k v o gate up down + 2 norms
@@ -179,8 +181,8 @@ def test_table_and_pictures(capsys):
     assert labels == ["0,4", "1,5", "2,6", "3,7"]  # 4 blocks, each held by the 2 data replicas
     matplotlib.pyplot.close(fig)
     arr = jax.device_put(jnp.zeros((2, 64, 64)), NamedSharding(mesh, P(None, "fsdp", "tensor")))
-    S.show_array_sharding(arr)
+    plots.show_array_sharding(arr)
     out = capsys.readouterr().out
     assert "CPU 0,4" in out or "0,4" in out
     with pytest.raises(S.ShardingError, match="draws 2-D arrays"):
-        S.show_array_sharding(jnp.zeros((2, 2, 2, 2)))
+        plots.show_array_sharding(jnp.zeros((2, 2, 2, 2)))

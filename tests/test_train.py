@@ -8,7 +8,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from amdllm import data, lora, train
+from amdllm.train import data
+from amdllm.model import lora
+from amdllm.io import peft
+from amdllm import train
 from amdllm import model as model_mod
 from amdllm.config import LlamaConfig
 from amdllm.model import Llama
@@ -129,7 +132,7 @@ def test_finetune_loss_falls_frozen_bit_identical_metrics_and_adapter(tmp_path):
     evals = [r for r in recs if r.get("event") == "eval"]
     assert [r["step"] for r in evals] == [0, 20, 40] and evals[-1]["eval_loss"] < evals[0]["eval_loss"] + 0.5
     assert [p.name for p in train.list_checkpoints(tmp_path)] == ["step_000040"]  # keep=1
-    loaded = lora.load_adapter(tiny_model(seed=0), tmp_path)
+    loaded = peft.load_adapter(tiny_model(seed=0), tmp_path)
     tokens = jnp.asarray(ds.tokens[:2])
     np.testing.assert_allclose(np.asarray(loaded(tokens)[0]), np.asarray(m(tokens)[0]), atol=1e-5)
     fig = train.plot_loss(tmp_path / "metrics.jsonl")
@@ -158,7 +161,7 @@ def test_resume_matches_uninterrupted_run(tmp_path):
 
 
 def test_sharded_step_on_8_devices_equals_one_device():
-    from amdllm.sharding import make_mesh, shard_model
+    from amdllm.parallel.sharding import make_mesh, shard_model
     assert jax.device_count() == 8
     ds = sort_task()
     idx = np.arange(8)
@@ -199,7 +202,7 @@ def test_cli_finetune_writes_peft_adapter_metrics_and_merged_checkpoint(tmp_path
 
     from amdllm import cli
     from tests.tiny import make_hf_checkpoint
-    from amdllm.tokenizer import TOKENIZER_FILES
+    from amdllm.io.tokenizer import WRITTEN_FILES as TOKENIZER_FILES
     from pathlib import Path
     ckpt, hf = make_hf_checkpoint(tmp_path, vocab_size=1152, bos_token_id=0, eos_token_id=1, pad_token_id=2)
     tok_dir = Path(__file__).resolve().parents[1] / "data" / "tokenizer"

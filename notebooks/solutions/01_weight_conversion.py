@@ -7,7 +7,8 @@ import numpy as np
 import torch
 from transformers import LlamaForCausalLM
 
-from amdllm import checkpoint, course
+from amdllm.io import checkpoint
+from amdllm import course
 from amdllm.config import get_preset
 
 model_dir = course.default_model_dir()

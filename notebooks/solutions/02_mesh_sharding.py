@@ -3,7 +3,9 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-from amdllm import checkpoint, course, plan, sharding  # noqa: E402
+from amdllm.io import checkpoint  # noqa: E402
+from amdllm import course
+from amdllm.parallel import plan, sharding
 from amdllm.config import get_preset  # noqa: E402
 
 cfg = checkpoint.load(course.default_model_dir()).cfg

@@ -9,8 +9,11 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from amdllm import checkpoint, course, data, lora, train
-from amdllm.tokenizer import load_tokenizer
+from amdllm.io import checkpoint
+from amdllm import course, train
+from amdllm.train import data
+from amdllm.model import lora
+from amdllm.io.tokenizer import load_tokenizer
 
 STEPS, EVAL = 120, 64
 model_dir = course.default_model_dir()

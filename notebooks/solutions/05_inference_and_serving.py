@@ -3,10 +3,11 @@ import json
 import time
 import urllib.request
 
-from amdllm import checkpoint, course
-from amdllm.generate import generate
-from amdllm.serve import start_server
-from amdllm.tokenizer import load_tokenizer
+from amdllm.io import checkpoint
+from amdllm import course
+from amdllm.infer.generate import generate
+from amdllm.infer.serve import start_server
+from amdllm.io.tokenizer import load_tokenizer
 
 model_dir = course.default_model_dir()
 model, tok = checkpoint.load(model_dir), load_tokenizer(model_dir)

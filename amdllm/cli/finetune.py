@@ -1,0 +1,92 @@
+"""`amdllm finetune`: LoRA training from the command line (amdllm.train.loop; flags and file I/O here)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from amdllm.cli.common import emit
+from amdllm.cli.common import model_dir as resolve_model_dir
+from amdllm.io import checkpoint
+from amdllm.io.tokenizer import load_tokenizer
+from amdllm.model import lora as lora_mod
+from amdllm.parallel.sharding import make_mesh
+from amdllm.train import data as data_mod
+from amdllm.train.loop import TrainConfig, finetune
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser("finetune", help="LoRA fine-tuning; writes a PEFT adapter (and optionally a merged model)")
+    p.add_argument("--model", default=None, help="HF checkpoint directory (default: the embedded model)")
+    p.add_argument("--data", required=True, help="JSONL: Alpaca, chat (messages) or plain (text) rows")
+    p.add_argument("--eval-data", default=None, help="held-out JSONL (loss, and exact match for Alpaca rows)")
+    p.add_argument("--out", required=True, help="output directory (adapter, metrics.jsonl, checkpoints/)")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--alpha", type=float, default=16)
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--targets", default="q,k,v,o,gate,up,down")
+    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--no-pack", action="store_true", help="one example per row (padding) instead of packing")
+    p.add_argument("--too-long", choices=("truncate", "drop"), default="truncate")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="compute dtype (auto: bfloat16 on accelerators, float32 on CPU); LoRA and AdamW stay float32")
+    p.add_argument("--mesh", default=None, help="mesh spec, e.g. fsdp=8 (default: all devices on fsdp when >1)")
+    p.add_argument("--rules", default=None, help="sharding rules preset (amdllm.parallel.sharding)")
+    p.add_argument("--remat", action="store_true", help="recompute each layer in the backward (less memory)")
+    p.add_argument("--log-every", type=int, default=1)
+    p.add_argument("--eval-every", type=int, default=0)
+    p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--keep", type=int, default=2)
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
+    p.add_argument("--merge", action="store_true", help="also write OUT/merged/, a merged HF checkpoint")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    model_dir = resolve_model_dir(args.model)
+    dtype = args.dtype
+    if dtype == "auto":
+        dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    model = checkpoint.load(model_dir, dtype=jnp.float32, compute_dtype=jnp.dtype(dtype), remat=args.remat)
+    tok = load_tokenizer(model_dir)
+    ds = data_mod.load_dataset(args.data, tok, args.seq_len, pack=not args.no_pack, too_long=args.too_long)
+    eval_ds = rows = None
+    if args.eval_data:
+        eval_ds = data_mod.load_dataset(args.eval_data, tok, args.seq_len, pack=not args.no_pack,
+                                        too_long=args.too_long)
+        rows = eval_ds.rows
+    lora_mod.apply_lora(model, rank=args.rank, alpha=args.alpha, dropout=args.dropout, targets=args.targets,
+                        seed=args.seed)
+    mesh = None
+    spec = args.mesh or ("auto" if jax.device_count() > 1 else None)
+    if spec:
+        mesh = make_mesh(spec, cfg=model.cfg, rules=args.rules)
+    tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum,
+                     seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
+                     clip=args.clip, seed=args.seed, log_every=args.log_every, eval_every=args.eval_every,
+                     save_every=args.save_every, keep=args.keep)
+    res = finetune(model, ds, args.out, tc, eval_ds=eval_ds, tokenizer=tok, task_rows=rows, mesh=mesh,
+                   rules=args.rules, resume=args.resume, progress=not args.no_progress,
+                   base_model_dir=str(model_dir))
+    if args.merge:
+        merged = lora_mod.merge_lora(model)
+        res["merged_dir"] = str(checkpoint.save(merged, Path(args.out) / "merged", tokenizer_from=model_dir))
+    res.pop("losses")
+    human = (f"trained {res['steps']} steps: loss {res['final_loss']:.4f}, "
+             f"{res['tokens_per_second']:,.0f} tokens/s, MFU {100 * res['mfu']:.1f}%; adapter in {args.out}")
+    if res.get("eval"):
+        human += "\n" + json.dumps(res["eval"])
+    emit(res, args.json, human)
+    return 0

@@ -1,0 +1,26 @@
+"""`amdllm generate`: text from a prompt, greedy or top-p (amdllm.infer.generate)."""
+from __future__ import annotations
+
+from amdllm.cli.common import add_model_args, emit, model_dir
+from amdllm.infer.generate import generate, load_model
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser("generate", help="generate text from a prompt (greedy or top-p sampling)")
+    add_model_args(p)
+    p.add_argument("--prompt", required=True, help="prompt text, tokenized as tokenizer(prompt)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    model, tokenizer, _ = load_model(model_dir(args.model), args.adapter, args.dtype)
+    r = generate(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_p,
+                 args.seed)[0]
+    human = (f"{args.prompt}{r['text']}\n\n[{r['prompt_tokens']} prompt tokens, {r['new_tokens']} new, "
+             f"{r['tokens_per_second']:.1f} tokens/s]")
+    emit(r, args.json, human)
+    return 0

@@ -1,0 +1,82 @@
+"""`amdllm quantize`: GPTQ or RTN into a GPTQ checkpoint directory (amdllm.quant)."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from amdllm import course
+from amdllm.cli.common import emit
+from amdllm.cli.common import model_dir as resolve_model_dir
+from amdllm.files import atomic_write_text
+from amdllm.io.checkpoint import load
+from amdllm.io.gptq_format import quant_config_dict, save_quantized
+from amdllm.io.tokenizer import encode_fast
+from amdllm.quant.calibrate import calibration_windows, model_bytes, quantize_model
+from amdllm.quant.gptq import QuantSpec, fit_group_size, in_features
+
+
+def run_quantize(args) -> dict:
+    spec = QuantSpec(bits=args.bits, group_size=args.group_size, sym=args.sym, act_order=args.act_order,
+                     static_groups=args.static_groups, percdamp=args.damp,
+                     true_sequential=not args.no_true_sequential)
+    if args.bits == 3:
+        raise ValueError("--bits 3 runs in memory (amdllm.quant.quantize_model) but the packed format "
+                         "supports 2, 4 and 8 bits only")
+    model_dir = resolve_model_dir(args.model)
+    t0 = time.perf_counter()
+    model = load(model_dir)
+    fitted, note = fit_group_size(model.cfg, spec.group_size)
+    if note:
+        raise ValueError(f"--group-size {spec.group_size} does not divide the in_features "
+                         f"{in_features(model.cfg)} of {model_dir}'s projections; pass --group-size {fitted}"
+                         + (" (one group per output row)" if fitted == -1 else " (the largest that fits)"))
+    windows = None
+    if args.method == "gptq":
+        calib = Path(args.calib) if args.calib else course.data_dir() / "corpus_train.txt"
+        if not calib.is_file():
+            raise FileNotFoundError(f"--calib {calib}: file not found")
+        windows = calibration_windows(encode_fast(model_dir, calib.read_text()), args.samples, args.seq_len,
+                                      args.seed)
+    model, rows = quantize_model(model, windows, spec, method=args.method, progress=not args.json)
+    qc = quant_config_dict(spec.bits, spec.group_size, spec.sym, spec.act_order,
+                           static_groups=spec.static_groups, damp_percent=spec.percdamp,
+                           true_sequential=spec.true_sequential)
+    save_quantized(model, args.out, qc, tokenizer_from=model_dir)
+    if rows:
+        atomic_write_text(Path(args.out) / "gptq_report.json", json.dumps(rows, indent=1))
+    return {"out": str(args.out), "method": args.method, "bits": spec.bits, "group_size": spec.group_size,
+            "sym": spec.sym, "act_order": spec.act_order, "format": qc["checkpoint_format"],
+            "seconds": round(time.perf_counter() - t0, 3), "model_bytes": model_bytes(model),
+            "gptq_err": sum(r["gptq_err"] for r in rows) if rows else None,
+            "rtn_err": sum(r["rtn_err"] for r in rows) if rows else None}
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser("quantize", help="GPTQ/RTN 4-bit quantization into a GPTQ checkpoint dir",
+                              description="Quantize a Llama checkpoint to GPTQ format (HF/GPTQModel layout).")
+    p.add_argument("--model", help="HF checkpoint dir (default: the embedded course model)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--method", choices=("gptq", "rtn"), default="gptq")
+    p.add_argument("--bits", type=int, default=4, help="2, 4 or 8 (default 4)")
+    p.add_argument("--group-size", type=int, default=128, help="-1 (per channel), 16..1024 (default 128)")
+    p.add_argument("--act-order", action="store_true", help="desc_act: columns by decreasing diag(H)")
+    p.add_argument("--static-groups", action="store_true", help="group params from the original weights")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--sym", dest="sym", action="store_true", default=True, help="symmetric grid (default)")
+    g.add_argument("--asym", dest="sym", action="store_false", help="asymmetric grid (saved as gptq_v2)")
+    p.add_argument("--damp", type=float, default=0.01, help="percdamp (default 0.01, raised if needed)")
+    p.add_argument("--no-true-sequential", action="store_true")
+    p.add_argument("--calib", help="calibration text file (default: the course corpus)")
+    p.add_argument("--samples", type=int, default=128)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+
+    def handler(args):
+        res = run_quantize(args)
+        emit(res, args.json, f"wrote {res['out']} ({res['method']} {res['bits']}-bit g{res['group_size']}, "
+                             f"{res['format']}) in {res['seconds']} s")
+        return 0
+
+    p.set_defaults(func=handler)

@@ -1,0 +1,40 @@
+"""`amdllm serve`: the OpenAI-compatible HTTP server in the foreground (amdllm.infer.serve)."""
+from __future__ import annotations
+
+import sys
+
+from amdllm.cli.common import model_dir
+from amdllm.infer.serve import build, listen_socket, socket_url
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    p.add_argument("--model", default=None, help="HF checkpoint directory, full or GPTQ (default: the embedded model)")
+    p.add_argument("--adapter", default=None, help="PEFT LoRA adapter directory to apply")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (cache rows)")
+    p.add_argument("--max-tokens-cap", type=int, default=512, help="largest max_tokens a request may ask for")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="cache length per request (default: the model's context, at most 4096)")
+    p.add_argument("--model-name", default=None, help="the id in /v1/models (default: the directory name)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import uvicorn  # the HTTP stack is imported by the command that serves, not by every command
+
+    app, engine = build(model_dir=model_dir(args.model), adapter=args.adapter, dtype=args.dtype,
+                        max_batch=args.max_batch, max_len=args.max_context, api_key=args.api_key, max_tokens_cap=args.max_tokens_cap,
+                        model_name=args.model_name)
+    sock = listen_socket(args.host, args.port)
+    name = app.state.config.model_name
+    print(f"amdllm serve: '{name}' on {socket_url(sock)} (chat page at /, OpenAI API at /v1, "
+          f"batch {engine.B}, context {engine.S}); Ctrl-C stops", file=sys.stderr)
+    try:
+        uvicorn.Server(uvicorn.Config(app, log_level="info", lifespan="off")).run(sockets=[sock])
+    finally:
+        engine.stop()
+    return 0

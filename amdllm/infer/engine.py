@@ -1,0 +1,367 @@
+"""The serving engine: one worker thread, continuous batching of queued requests on a shared KV cache.
+
+How the batch works (and why it is exact):
+  * The cache has `max_batch` rows and `max_len` slots. All rows write their next token at the same slot
+    `c` (the model's cache takes one `cache_index` for the whole batch), so one jitted decode step
+    serves every active row. Empty rows feed a padding token with segment id 0: its slot stays invalid.
+  * A new request is prefilled alone into a free row, LEFT-aligned so that its prompt ends at slot c-1
+    (slots [c-P, c)); it then joins the very next decode step. RoPE is applied before keys are cached
+    and each row keeps its own positions (0..P-1, P, ...), so which slots a row occupies never changes
+    its numbers: a request gets the same tokens alone or in a crowd (tested against `generate`).
+  * If the prompt does not fit to the left of c, c jumps forward (older rows just get invalid slots).
+    If the tail of the cache is too short for every row's remaining tokens, the cache is shifted left
+    by the smallest start slot of the active rows (a roll: positions are baked into the keys). If it
+    still does not fit, the request waits until rows finish; a request never exceeds `max_len` alone.
+  * Sampling reuses `generate.sample_token` with generate's key schedule (token k of a request uses
+    fold_in(PRNGKey(seed), k)), so a seeded request reproduces `amdllm generate --seed`.
+The worker talks to the HTTP layer through callbacks (`Request.emit`), which the server turns into
+`loop.call_soon_threadsafe` calls: the asyncio event loop never waits on the model.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from amdllm.infer.generate import decode_compiler_options, layer_views, sample_token
+from amdllm.model import KVCache, forward, init_cache, to_pure
+from amdllm.io.tokenizer import pad_id as tokenizer_pad_id
+
+log = logging.getLogger("amdllm.infer.engine")
+MIN_PREFILL_BUCKET = 16
+
+
+@dataclass
+class Request:
+    """One generation. `emit(kind, payload)` is called from the worker thread:
+    ("delta", {"text", "token_ids"}) any number of times, then exactly one ("done", {...}) or ("error", msg)."""
+    prompt_ids: list[int]
+    max_tokens: int
+    emit: Callable[[str, object], None]
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class _Row:
+    req: Request
+    start: int                 # first cache slot of the prompt (for shifting)
+    pos: int                   # RoPE position of the next token fed
+    key: np.ndarray            # PRNG key data [2] uint32
+    stream: "TextStream"
+    out_ids: list[int] = field(default_factory=list)
+    pending: int = 0           # last sampled token, fed at the next step
+    pending_eos: int = -1      # the EOS token that ended the row
+    unsent: list[int] = field(default_factory=list)  # token ids whose text is held back so far
+
+
+class TextStream:
+    """Incremental detokenization with stop strings: `push(ids) -> (delta, stopped)`, `flush()`."""
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tok, self.stop = tokenizer, [s for s in stop if s]
+        self.text, self.sent = "", 0
+
+    def push(self, ids: list[int]) -> tuple[str, bool]:
+        self.text = self.tok.decode(ids, skip_special_tokens=True)
+        if self.stop:
+            lo = max(0, self.sent - max(len(s) for s in self.stop))
+            hits = [i for i in (self.text.find(s, lo) for s in self.stop) if i >= 0]
+            if hits:  # cut at the first stop string: it and what follows are never sent
+                self.text = self.text[:min(hits)]
+                return self._take(len(self.text)), True
+        safe = len(self.text)
+        if self.text.endswith("\ufffd"):  # a multi-byte character cut in half: wait for its rest
+            safe = len(self.text.rstrip("\ufffd"))
+        for s in self.stop:  # hold back a tail that may be the start of a stop string
+            for k in range(min(len(s) - 1, safe), 0, -1):
+                if self.text[:safe].endswith(s[:k]):
+                    safe -= k
+                    break
+        return self._take(max(safe, self.sent)), False
+
+    def flush(self) -> str:
+        return self._take(len(self.text))
+
+    def _take(self, upto: int) -> str:
+        delta, self.sent = self.text[self.sent:upto], max(self.sent, upto)
+        return delta
+
+
+# A cache part is stacked [L, B, Hkv, S, hd] or per-layer, a tuple of [B, Hkv, S, hd]: the same edits on both
+def _row_of(c, row):
+    if isinstance(c, tuple):
+        return tuple(jax.lax.dynamic_slice_in_dim(x, row, 1, axis=0) for x in c)
+    return jax.lax.dynamic_slice_in_dim(c, row, 1, axis=1)
+
+
+def _put_row(c, sub, row):
+    if isinstance(c, tuple):
+        return tuple(jax.lax.dynamic_update_slice_in_dim(x, s, row, axis=0) for x, s in zip(c, sub))
+    return jax.lax.dynamic_update_slice_in_dim(c, sub, row, axis=1)
+
+
+def _roll_slots(c, m):
+    return tuple(jnp.roll(x, m, axis=2) for x in c) if isinstance(c, tuple) else jnp.roll(c, m, axis=3)
+
+
+class Engine:
+    """Owns the model, the batch cache and the worker thread. `submit(req)` is thread-safe."""
+
+    def __init__(self, model, tokenizer, *, max_batch: int = 8, max_len: int | None = None,
+                 eos_ids=None, pad_id: int | None = None):
+        cfg = model.cfg
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.B = int(max_batch)
+        self.S = int(min(max_len or cfg.max_position_embeddings, cfg.max_position_embeddings))
+        if self.B < 1 or self.S < 2:
+            raise ValueError(f"max_batch must be >= 1 and max_len >= 2, got {self.B} and {self.S}")
+        if eos_ids is None:
+            eos_ids = set(cfg.eos_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+        self.eos = frozenset(int(e) for e in eos_ids)
+        self.pad = int(pad_id) if pad_id is not None else tokenizer_pad_id(tokenizer)
+        self.top, self.layers = to_pure(model)
+        # the decode step reads per-layer weight views on the CPU (no copies out of the stack; see
+        # generate.layer_views) and then keeps a per-layer cache; the prefill scans the stacked weights
+        self.views = layer_views(self.layers)
+        self.dtype = model.dtype
+        self._build(model)
+        self.cache = self._new_cache()
+        self.rows: list[_Row | None] = [None] * self.B
+        self.c = 0  # next cache slot every active row writes
+        self.inbox: queue.Queue = queue.Queue()
+        self.waiting: collections.deque[Request] = collections.deque()
+        # what the tests and the benchmark read: batch sizes seen in decode steps
+        self.stats = {"requests": 0, "decode_steps": 0, "tokens": 0, "max_batch_seen": 0,
+                      "batch_hist": collections.Counter(), "shifts": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="amdllm-engine", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------- compiled pure functions
+    def _build(self, model):
+        cfg, dtype, lscale = self.cfg, model.dtype, float(model.lora_scale)
+
+        def sample_rows(logits, keys, k, temp, top_p):
+            # logits [B, V], keys [B, 2], k [B] token index per row -> [B]; generate's key schedule
+            def one(lg, key, i, t, p):
+                return sample_token(lg[None], jax.random.fold_in(key, i), t[None], p[None])[0]
+            return jax.vmap(one)(logits, keys, k, temp, top_p)
+
+        def prefill(top, layers, cache, row, tokens, positions, seg, start, key, temp, top_p):
+            # one request into cache row `row`: tokens/positions/seg [1, P] left-padded, written at
+            # slots [start, start+P); the row's other slots become invalid
+            S = cache.valid.shape[1]
+            sub = KVCache(_row_of(cache.k, row), _row_of(cache.v, row), jnp.zeros((1, S), bool))
+            x, sub = forward(cfg, top, layers, tokens, positions=positions, segment_ids=seg, cache=sub,
+                             cache_index=start, dtype=dtype, lora_scale=lscale, return_hidden=True)
+            # logits at the last position only: [1, V], not [1, P, V] (a 128k vocabulary makes that big)
+            head = top["lm_head"] if "lm_head" in top else top["embed_tokens"].T
+            last = jnp.dot(x[:, -1], head.astype(dtype), preferred_element_type=jnp.float32)
+            cache = KVCache(_put_row(cache.k, sub.k, row), _put_row(cache.v, sub.v, row),
+                            jax.lax.dynamic_update_slice(cache.valid, sub.valid, (row, 0)))
+            tok = sample_rows(last, key[None], jnp.zeros((1,), jnp.int32), temp, top_p)
+            return tok[0], cache
+
+        def step(top, layers, cache, tok, pos, active, c, keys, k, temp, top_p):
+            # tok/pos/active/k/temp/top_p [B]; every row writes slot c; inactive rows stay invalid
+            logits, cache = forward(cfg, top, layers, tok[:, None], positions=pos[:, None],
+                                    segment_ids=active[:, None].astype(jnp.int32), cache=cache,
+                                    cache_index=c, dtype=dtype, lora_scale=lscale)   # [B, 1, V]
+            return sample_rows(logits[:, 0], keys, k, temp, top_p), cache
+
+        def shift(cache, m):  # move every row's slots m to the left; wrapped-in slots are invalid
+            S = cache.valid.shape[1]
+            valid = jnp.roll(cache.valid, -m, axis=1) & (jnp.arange(S) < S - m)[None]
+            return KVCache(_roll_slots(cache.k, -m), _roll_slots(cache.v, -m), valid)
+
+        # the cache is donated: XLA may update it in place instead of copying [L, B, Hkv, S, hd] twice a
+        # step (jax 0.10's CPU client implements donation too)
+        self._prefill = jax.jit(prefill, donate_argnums=(2,))
+        self._step = jax.jit(step, donate_argnums=(2,), compiler_options=decode_compiler_options())
+        self._shift = jax.jit(shift, donate_argnums=(0,))
+
+    def _new_cache(self) -> KVCache:
+        return init_cache(self.cfg, self.B, self.S, self.dtype, per_layer=self.views is not None)
+
+    # ---------------------------------------------------------------- public API
+    def submit(self, req: Request) -> None:
+        if not req.prompt_ids:
+            raise ValueError("the prompt has no tokens")
+        if len(req.prompt_ids) + req.max_tokens > self.S:
+            raise ValueError(f"prompt ({len(req.prompt_ids)}) + max_tokens ({req.max_tokens}) exceeds "
+                             f"the context of {self.S} tokens")
+        if self._stop.is_set():
+            raise RuntimeError("the engine is stopped")
+        self.inbox.put(req)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        self.inbox.put(None)
+        self._thread.join(timeout)
+
+    def warmup(self) -> None:
+        """Compile the decode step and the smallest prefill now rather than on the first request."""
+        done = threading.Event()
+        self.submit(Request([self.pad], 2, lambda kind, _: kind != "delta" and done.set()))
+        done.wait(600)
+
+    # ---------------------------------------------------------------- worker
+    def _run(self):
+        while not self._stop.is_set():
+            try:
+                active = any(r is not None for r in self.rows)
+                self._drain_inbox(block=not active and not self.waiting)
+                self._admit()
+                if any(r is not None for r in self.rows):
+                    self._decode()
+                elif self.waiting:  # nothing runs and the head still does not fit: cannot happen
+                    self._fail(self.waiting.popleft(), "request does not fit the cache")
+            except Exception as e:  # a model error fails the requests in flight, not the server
+                log.exception("engine step failed")
+                for i, r in enumerate(self.rows):
+                    if r is not None:
+                        self._fail(r.req, f"generation failed: {type(e).__name__}: {e}")
+                        self.rows[i] = None
+                self.cache = self._new_cache()
+                self.c = 0
+
+    def _drain_inbox(self, block: bool):
+        try:
+            item = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+            while True:
+                if item is not None:
+                    self.waiting.append(item)
+                item = self.inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _admit(self):
+        while self.waiting and None in self.rows:
+            req = self.waiting[0]
+            if req.cancelled.is_set():
+                self.waiting.popleft()
+                continue
+            if not self._place(req):
+                return  # first in, first served: later requests wait behind the head
+            self.waiting.popleft()
+
+    def _place(self, req: Request) -> bool:
+        P = len(req.prompt_ids)
+        Pb = max(P, min(max(MIN_PREFILL_BUCKET, 1 << (P - 1).bit_length()), self.S - req.max_tokens))
+        active = [r for r in self.rows if r is not None]
+        if not active:
+            self.c = 0
+        c = max(self.c, Pb)
+
+        def need(c):  # a row with g tokens out writes max_tokens - g more slots (c, c+1, ...);
+            # the newcomer will have 1 token out of its prefill
+            rem = [r.req.max_tokens - len(r.out_ids) for r in active] + [req.max_tokens - 1]
+            return c + max(rem) <= self.S
+        if not need(c):
+            m = min([r.start for r in active] + [c - Pb])
+            if m > 0 and need(c - m):
+                self.cache = self._shift(self.cache, jnp.int32(m))
+                self.stats["shifts"] += 1
+                for r in active:
+                    r.start -= m
+                self.c -= m
+                c -= m
+            else:
+                return False
+        self.c = c
+        row = self.rows.index(None)
+        toks = np.full((1, Pb), self.pad, np.int32)
+        seg = np.zeros((1, Pb), np.int32)
+        toks[0, Pb - P:], seg[0, Pb - P:] = req.prompt_ids, 1
+        positions = np.maximum(np.cumsum(seg, axis=1) - 1, 0).astype(np.int32)
+        seed = req.seed if req.seed is not None else secrets.randbits(31)
+        key = np.asarray(jax.random.key_data(jax.random.PRNGKey(seed)))
+        tok, self.cache = self._prefill(self.top, self.layers, self.cache, jnp.int32(row), toks, positions,
+                                        seg, jnp.int32(c - Pb), key,
+                                        np.float32([req.temperature]), np.float32([req.top_p]))
+        self.rows[row] = _Row(req, start=c - Pb, pos=P, key=key, stream=TextStream(self.tokenizer, req.stop))
+        self.stats["requests"] += 1
+        self._accept(row, int(tok))
+        return True
+
+    def _decode(self):
+        B = self.B
+        tok, pos, act, k = (np.full(B, self.pad, np.int32), np.zeros(B, np.int32), np.zeros(B, bool),
+                            np.zeros(B, np.int32))
+        keys, temp, top_p = np.zeros((B, 2), np.uint32), np.zeros(B, np.float32), np.ones(B, np.float32)
+        for i, r in enumerate(self.rows):
+            if r is not None:
+                tok[i], pos[i], act[i], k[i], keys[i] = r.pending, r.pos, True, len(r.out_ids), r.key
+                temp[i], top_p[i] = r.req.temperature, r.req.top_p
+        layers = self.layers if self.views is None else self.views
+        nxt, self.cache = self._step(self.top, layers, self.cache, tok, pos, act, jnp.int32(self.c),
+                                     keys, k, temp, top_p)
+        nxt = np.asarray(nxt)  # the one device->host copy per step
+        self.c += 1
+        n = int(act.sum())
+        self.stats["decode_steps"] += 1
+        self.stats["batch_hist"][n] += 1
+        self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], n)
+        for i, r in enumerate(self.rows):
+            if r is not None:
+                r.pos += 1
+                self._accept(i, int(nxt[i]))
+
+    def _accept(self, row: int, token: int):
+        """Record one sampled token for a row; emit text; finish the row on EOS, stop string or limit."""
+        r = self.rows[row]
+        req = r.req
+        if req.cancelled.is_set():
+            self.rows[row] = None
+            return
+        self.stats["tokens"] += 1
+        if token in self.eos:
+            r.pending_eos = token
+            return self._finish(row, "stop", eos=True)
+        r.out_ids.append(token)
+        r.unsent.append(token)
+        r.pending = token
+        delta, stopped = r.stream.push(r.out_ids)
+        if delta:
+            req.emit("delta", {"text": delta, "token_ids": r.unsent})
+            r.unsent = []
+        if stopped:
+            return self._finish(row, "stop")
+        if len(r.out_ids) >= req.max_tokens:
+            return self._finish(row, "length")
+
+    def _finish(self, row: int, reason: str, eos: bool = False):
+        r = self.rows[row]
+        self.rows[row] = None
+        tail = r.stream.flush()  # text held back as a possible stop-string start, or a cut character
+        if tail or r.unsent:
+            r.req.emit("delta", {"text": tail, "token_ids": r.unsent})
+        n_out = len(r.out_ids) + (1 if eos else 0)  # the EOS token was generated too
+        ids = r.out_ids + ([r.pending_eos] if eos else [])  # like generate: token_ids include the EOS
+        r.req.emit("done", {"finish_reason": reason, "text": r.stream.text, "token_ids": ids,
+                            "prompt_tokens": len(r.req.prompt_ids), "completion_tokens": n_out})
+
+    @staticmethod
+    def _fail(req: Request, msg: str):
+        req.emit("error", msg)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def now() -> int:
+    return int(time.time())

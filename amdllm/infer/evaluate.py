@@ -1,0 +1,89 @@
+"""Perplexity, with exactly the protocol of `amdllm eval` in docs/cli.md (so numbers compare across tools and notebooks):
+
+  1. tokenize the whole text as `tokenizer(text)` (a BOS appears once, at the start, if the tokenizer
+     adds one);
+  2. cut the ids into consecutive, non-overlapping windows of `seq_len` tokens; the last, shorter window
+     is kept if it has at least 2 tokens;
+  3. each window predicts its own tokens 1..n-1 from the ones before (no context crosses a window);
+  4. nll = mean over all predicted tokens, tokens = their count, perplexity = exp(nll).
+
+Windows are evaluated `batch_size` at a time by one jitted function; the short last window is padded on
+the right with segment id 0 and weight 0, and a short last batch with all-padding rows, so every batch
+has the same shape and compiles once.
+"""
+from __future__ import annotations
+
+import json
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from amdllm.model import forward, to_pure
+
+_COMPILED: dict = {}
+
+
+def windows(token_ids: Sequence[int], seq_len: int) -> list[np.ndarray]:
+    """The protocol's windows: consecutive, non-overlapping, last one kept if it has >= 2 tokens."""
+    if seq_len < 2:
+        raise ValueError(f"seq_len must be >= 2 (a window predicts tokens 1..n-1), got {seq_len}")
+    ids = np.asarray(token_ids, np.int32).reshape(-1)
+    out = [ids[i:i + seq_len] for i in range(0, len(ids), seq_len)]
+    return [w for w in out if len(w) >= 2]
+
+
+def _nll_fn(model):
+    """Jitted (top, layers, tokens [B, T], segment_ids [B, T]) -> (sum of NLL, count) over the batch."""
+    cfg = model.cfg
+    key = (json.dumps(cfg.to_dict(), sort_keys=True, default=str), str(model.dtype),
+           float(model.lora_scale), getattr(model, "act_sharding", None))
+    if key not in _COMPILED:
+        dtype, lora_scale = model.dtype, float(model.lora_scale)
+        act = getattr(model, "act_sharding", None)  # sharded model: keep hidden states split by batch
+
+        @jax.jit
+        def nll_sum(top, layers, tokens, segment_ids):
+            logits, _ = forward(cfg, top, layers, tokens, segment_ids=segment_ids, dtype=dtype,
+                                lora_scale=lora_scale, act_sharding=act)  # [B, T, V] float32
+            logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+            nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]  # [B, T-1]
+            w = (segment_ids[:, 1:] != 0).astype(jnp.float32)  # a target is real iff its slot is
+            return jnp.sum(nll * w), jnp.sum(w)
+
+        _COMPILED[key] = nll_sum
+    return _COMPILED[key]
+
+
+def perplexity(model, token_ids: Sequence[int], seq_len: int = 256, batch_size: int = 8,
+               progress: bool = True) -> dict:
+    """token ids (the whole tokenized text) -> {"perplexity", "nll", "tokens"} by the protocol above."""
+    wins = windows(token_ids, seq_len)
+    if not wins:
+        raise ValueError(f"need at least 2 tokens to measure perplexity, got {len(token_ids)}")
+    T = min(seq_len, max(len(w) for w in wins))  # a text shorter than seq_len needs no longer batch
+    fn = _nll_fn(model)
+    top, layers = to_pure(model)
+    total, count = 0.0, 0.0
+    starts = range(0, len(wins), batch_size)
+    for s in tqdm(starts, desc="perplexity", unit="batch", disable=not progress or len(starts) < 2):
+        tokens = np.zeros((batch_size, T), np.int32)
+        seg = np.zeros((batch_size, T), np.int32)
+        for r, w in enumerate(wins[s:s + batch_size]):
+            tokens[r, :len(w)] = w
+            seg[r, :len(w)] = 1
+        nll, n = fn(top, layers, tokens, seg)
+        total += float(nll)  # accumulate across batches in float64 on the host
+        count += float(n)
+    nll = total / count
+    return {"perplexity": math.exp(nll), "nll": nll, "tokens": int(count)}
+
+
+def evaluate_text(model, tokenizer, text: str, seq_len: int = 256, batch_size: int = 8,
+                  progress: bool = True) -> dict:
+    """Perplexity of `text`, tokenized whole as `tokenizer(text)`."""
+    ids = tokenizer(text)["input_ids"]
+    return perplexity(model, ids, seq_len=seq_len, batch_size=batch_size, progress=progress)

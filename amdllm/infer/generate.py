@@ -1,0 +1,318 @@
+"""Text generation with a KV cache: one prefill, then a jitted one-token decode step.
+
+How a batch of prompts is laid out (and why batched results equal single-prompt results):
+  * Prompts are LEFT-padded to a common length, so every row's next token lands in the same cache slot
+    and one `dynamic_update_slice` serves the whole batch. Pads get segment_ids 0: the cache marks
+    their slots invalid, so no query ever attends to them.
+  * RoPE positions count real tokens only, per row (a 3-token prompt padded to 8 still has positions
+    0, 1, 2), so a row's numbers do not depend on its neighbours' lengths.
+  * The prompt length is rounded up to a multiple of `PROMPT_BUCKET` and the cache length to a multiple
+    of `CACHE_BUCKET`: the prefill compiles once per (batch, prompt bucket, cache length) and the
+    decode step once per (batch, cache length), not once per prompt length.
+  * The decode loop is a Python loop over the jitted step: it streams (`Decoder.stream` yields each
+    step's new token per row, which the server needs) and stops as soon as every row has finished.
+    It is pipelined: the next step is dispatched before this step's tokens are read on the host.
+    Finished rows keep decoding (rows never mix) and their tokens are cut from the results.
+Parameters go into jit as pure arrays (`to_pure`), so changing the weights (LoRA training, loading
+another checkpoint of the same shape) never retraces.
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from amdllm.io import checkpoint
+from amdllm.io.peft import load_adapter
+from amdllm.io.tokenizer import load_tokenizer, pad_id
+from amdllm.model import KVCache, forward, init_cache, split_cache, to_pure
+
+PROMPT_BUCKET = 16
+CACHE_BUCKET = 64
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+# --------------------------------------------------------------------------------------------------
+# Sampling: pure functions over arrays
+# --------------------------------------------------------------------------------------------------
+def sample_token(logits, key, temperature, top_p):
+    """logits [B, V] float32; temperature, top_p [B] -> token ids [B] int32.
+
+    temperature 0 is greedy (argmax). Otherwise nucleus sampling: keep the smallest set of most likely
+    tokens whose probability reaches top_p (the most likely token is always kept, so a tiny top_p is
+    greedy; top_p 1 keeps all), renormalise, sample. The draw happens in vocabulary order whatever the
+    other rows ask for, so a row samples the same token alone or in any batch; one key per row (row
+    index folded in) keeps rows independent. The sort is skipped when no row needs it (all greedy, or
+    all top_p = 1), which matters for a 128k vocabulary.
+    """
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def nucleus(scaled):                                                    # [B, V] -> masked [B, V]
+        desc = -jnp.sort(-scaled, axis=-1)
+        probs = jax.nn.softmax(desc, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs                         # mass strictly above
+        keep = (before < top_p[:, None]) | (top_p[:, None] >= 1.0)          # first token: before=0
+        cutoff = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)  # smallest kept logit
+        return jnp.where(scaled >= cutoff, scaled, -jnp.inf)
+
+    def sampled(_):
+        scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+        scaled = jax.lax.cond(jnp.all(top_p >= 1.0), lambda s: s, nucleus, scaled)
+        keys = jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(logits.shape[0]))
+        return jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+
+    tok = jax.lax.cond(jnp.any(temperature > 0), sampled, lambda _: greedy, None)
+    return jnp.where(temperature > 0, tok, greedy)
+
+
+# --------------------------------------------------------------------------------------------------
+# Compiled prefill / decode, cached per model structure
+# --------------------------------------------------------------------------------------------------
+_COMPILED: dict = {}
+
+
+def decode_compiler_options() -> dict | None:
+    """XLA options for a jitted decode step (here and in the server's engine).
+
+    XLA:CPU hands dots to XNNPACK/YNNPACK, which pays off for a prefill's or a training step's large
+    matmuls but not for a decode step's few rows: on the 31M benchmark model at batch 8, a step took
+    97 ms with XNNPACK and 37 ms without; with per-layer weights (`layer_views`) turning the YNNPACK
+    fusions off too takes it from ~30 to ~23 ms (batch 1: ~10 ms either way)."""
+    if jax.default_backend() != "cpu":
+        return None
+    return {"xla_cpu_use_xnnpack": False, "xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+def layer_views(layers: dict) -> list[dict] | None:
+    """Stacked layer weights [L, ...] as L per-layer dicts that share their memory, or None.
+
+    `forward` runs per-layer weights as an unrolled loop instead of a scan; on the CPU that spares a
+    decode step XLA's copy of every layer's weights out of the stack (31M model, batch 8: 43 -> 24 ms
+    a step). The views cost no memory: on the CPU, `jax.device_put` of a numpy view of an array's
+    buffer makes no copy, and we check that it did not. None where that does not hold (an
+    accelerator, a sharded array, a copy made): the decode step then scans the stacked weights."""
+    if jax.default_backend() != "cpu":
+        return None
+    leaves, treedef = jax.tree.flatten(layers)
+    if not leaves or any(not isinstance(a, jax.Array) or len(a.sharding.device_set) != 1 for a in leaves):
+        return None
+    host = [np.asarray(a) for a in leaves]  # zero-copy on the CPU
+    devices = [next(iter(a.sharding.device_set)) for a in leaves]
+    L, n = leaves[0].shape[0], len(leaves)
+    slices = [h[i] for i in range(L) for h in host]
+    # one device_put for all L x n slices: half the time of one call per slice (~0.1 ms each)
+    views = jax.device_put(slices, devices * L)
+    if any(v.unsafe_buffer_pointer() != h.ctypes.data for v, h in zip(views, slices)):
+        return None  # copied (e.g. a misaligned slice): not worth the memory
+    return [jax.tree.unflatten(treedef, views[i * n:(i + 1) * n]) for i in range(L)]
+
+
+def _compiled(model):
+    """Jitted (prefill, step) for this model's config/dtype/LoRA scale; weights are arguments."""
+    cfg = model.cfg
+    key = (json.dumps(cfg.to_dict(), sort_keys=True, default=str), str(model.dtype),
+           float(model.lora_scale), getattr(model, "act_sharding", None))
+    if key in _COMPILED:
+        return _COMPILED[key]
+    dtype, lora_scale = model.dtype, float(model.lora_scale)
+    act = getattr(model, "act_sharding", None)  # sharded model: keep hidden states split by batch
+
+    def run(top, layers, tokens, positions, segment_ids, cache, cache_index):
+        # logits at the LAST position only: a prefill's [B, P, V] float32 logits would be 8 GB for
+        # 8 x 2048 tokens of a 128k vocabulary, and only the last column is ever used
+        h, cache = forward(cfg, top, layers, tokens, positions=positions, segment_ids=segment_ids,
+                           cache=cache, cache_index=cache_index, dtype=dtype, lora_scale=lora_scale,
+                           return_hidden=True, act_sharding=act)      # [B, T, D] normed
+        head = top["lm_head"] if "lm_head" in top else top["embed_tokens"].T   # tied: the embeddings
+        logits = jnp.dot(h[:, -1], head.astype(dtype), preferred_element_type=jnp.float32)  # [B, V]
+        return logits, cache
+
+    def prefill(top, layers, tokens, positions, segment_ids, key, temperature, top_p, cache_len,
+                per_layer=False):
+        # tokens/positions/segment_ids [B, P] left-padded; cache_len (static) fixes the cache shape.
+        # The prefill scans the stacked weights (its matmuls are large; compile time stays flat) and
+        # hands the step a per-layer cache when the step runs per-layer weights (`layer_views`).
+        cache = init_cache(cfg, tokens.shape[0], cache_len, dtype)
+        # left padding: the last column is a real token for every row
+        last, cache = run(top, layers, tokens, positions, segment_ids, cache, 0)       # [B, V]
+        tok = sample_token(last, jax.random.fold_in(key, 0), temperature, top_p)
+        return tok, last, split_cache(cache) if per_layer else cache
+
+    def step(top, layers, tok, pos, cache: KVCache, cache_index, i, key, temperature, top_p):
+        # tok/pos [B]: the token just produced and its RoPE position; written at slot cache_index
+        logits, cache = run(top, layers, tok[:, None], pos[:, None], jnp.ones_like(tok)[:, None],
+                            cache, cache_index)                                      # [B, V]
+        nxt = sample_token(logits, jax.random.fold_in(key, i), temperature, top_p)
+        return nxt, logits, cache
+
+    # the cache is rewritten every step: donate it so XLA writes the new slot in place
+    _COMPILED[key] = (jax.jit(prefill, static_argnames=("cache_len", "per_layer")),
+                      jax.jit(step, donate_argnums=(4,), compiler_options=decode_compiler_options()))
+    return _COMPILED[key]
+
+
+def _per_row(value, batch: int, name: str) -> jax.Array:
+    arr = np.broadcast_to(np.asarray(value, np.float32), (batch,))
+    if name == "temperature" and (arr < 0).any():
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {value}")
+    if name == "top_p" and ((arr <= 0) | (arr > 1)).any():
+        raise ValueError(f"top_p must be in (0, 1], got {value}")
+    return jnp.asarray(arr)
+
+
+def pack_prompts(prompt_ids: Sequence[Sequence[int]], pad_id: int = 0, bucket: int = PROMPT_BUCKET):
+    """Left-pad prompts to a bucketed length -> (tokens, positions, segment_ids) int32 [B, P], lengths."""
+    if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
+        raise ValueError("every prompt needs at least one token (got an empty prompt)")
+    lens = np.array([len(p) for p in prompt_ids])
+    P = _round_up(int(lens.max()), bucket)
+    B = len(prompt_ids)
+    tokens = np.full((B, P), pad_id, np.int32)
+    seg = np.zeros((B, P), np.int32)
+    for b, p in enumerate(prompt_ids):
+        tokens[b, P - len(p):] = p
+        seg[b, P - len(p):] = 1
+    positions = np.maximum(np.cumsum(seg, axis=1) - 1, 0).astype(np.int32)  # real tokens count 0, 1, ...
+    return tokens, positions, seg, lens
+
+
+class Decoder:
+    """Streaming batched decoding for one model. `stream` yields, per step, one new token id per row
+    (None once that row has finished); `return_logits=True` yields (tokens, logits [B, V]) instead.
+    per_layer=False keeps the decode step's layer scan even on the CPU (see `layer_views`)."""
+
+    def __init__(self, model, *, eos_ids: Sequence[int] = (), pad_id: int = 0, per_layer: bool = True):
+        self.model = model
+        self.per_layer = per_layer
+        self.eos_ids = tuple(sorted({int(e) for e in eos_ids}))
+        self.pad_id = int(pad_id)
+        self.prefill, self.step = _compiled(model)
+
+    def stream(self, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int = 64, *,
+               temperature=0.0, top_p=1.0, seed: int = 0, return_logits: bool = False
+               ) -> Iterator[list]:
+        # times[0]: start; times[k]: step k's tokens on the host; counts[k-1]: how many rows produced one
+        self.times, self.counts = [time.perf_counter()], []
+        if max_new_tokens < 1:
+            return
+        top, layers = to_pure(self.model)
+        views = layer_views(layers) if self.per_layer else None
+        tokens, positions, seg, lens = pack_prompts(prompt_ids, self.pad_id)
+        limit = self.model.cfg.max_position_embeddings
+        if int(lens.max()) + max_new_tokens > limit:
+            raise ValueError(f"prompt ({int(lens.max())} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                             f"model's context, max_position_embeddings={limit}")
+        B, P = tokens.shape
+        S = _round_up(P + max_new_tokens - 1, CACHE_BUCKET)  # the last new token is never written
+        temp, tp = _per_row(temperature, B, "temperature"), _per_row(top_p, B, "top_p")
+        key = jax.random.PRNGKey(seed)
+        tok, logits, cache = self.prefill(top, layers, tokens, positions, seg, key, temp, tp,
+                                          cache_len=S, per_layer=views is not None)
+        step_layers = layers if views is None else views
+        done = np.zeros(B, bool)
+        eos = np.array(self.eos_ids, np.int64)
+        # Pipelined: step i+1 is dispatched (asynchronously) on step i's tokens while they are still on
+        # the device, and only then are step i's tokens read back, checked for EOS and yielded, so the
+        # host's work overlaps the next step instead of idling the device between steps. A finished row
+        # keeps decoding its own tokens (rows never mix, so the others are unaffected); they are dropped
+        # here. When every row has finished, one step already dispatched is discarded.
+        # The positions stay numpy: eager jnp ops here would each cost a dispatch (~0.5 ms a step).
+        pos = lens.astype(np.int32)  # next RoPE position per row = its real prompt length
+        for i in range(max_new_tokens):
+            nxt = None
+            if i < max_new_tokens - 1:
+                nxt = self.step(top, step_layers, tok, pos, cache, P + i, i + 1, key, temp, tp)
+                cache = nxt[2]
+                pos = pos + 1  # numpy
+            host = np.asarray(tok)
+            out = [None if d else int(t) for d, t in zip(done, host)]
+            self.times.append(time.perf_counter())
+            self.counts.append(sum(t is not None for t in out))
+            done = done | np.isin(host, eos)
+            yield (out, logits) if return_logits else out
+            if done.all() or nxt is None:
+                return
+            tok, logits = nxt[0], nxt[1]
+
+    def tokens_per_second(self) -> float:
+        """Steady decode throughput of the last `stream`, all rows together: tokens from the third step
+        on over their time, so neither compilation (first prefill and first step) nor the prefill
+        counts; with fewer than 3 steps, all tokens over the whole time."""
+        t, c = self.times, self.counts
+        if len(c) >= 3:
+            return sum(c[2:]) / max(t[-1] - t[2], 1e-9)
+        return sum(c) / max(t[-1] - t[0], 1e-9) if c else 0.0
+
+
+def generate_ids(model, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int = 64, *,
+                 temperature=0.0, top_p=1.0, seed: int = 0, eos_ids: Sequence[int] | None = None,
+                 pad_id: int = 0, keep_eos: bool = True, decoder: Decoder | None = None
+                 ) -> list[list[int]]:
+    """Token ids in, new token ids out (one list per prompt; EOS included unless keep_eos=False).
+    Pass your own `decoder` to read its timings (`decoder.tokens_per_second()`) afterwards."""
+    eos = model.cfg.eos_ids if eos_ids is None else eos_ids
+    dec = decoder or Decoder(model, eos_ids=eos, pad_id=pad_id)
+    out: list[list[int]] = [[] for _ in prompt_ids]
+    for step in dec.stream(prompt_ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed):
+        for row, t in enumerate(step):
+            if t is not None:
+                out[row].append(t)
+    if not keep_eos:
+        out = [[t for t in r if t not in set(dec.eos_ids)] for r in out]
+    return out
+
+
+def tokenizer_eos_ids(model, tokenizer) -> tuple[int, ...]:
+    ids = set(model.cfg.eos_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return tuple(sorted(ids))
+
+
+def generate(model, tokenizer, prompts: str | list[str], max_new_tokens: int = 64, temperature=0.0,
+             top_p=1.0, seed: int = 0) -> list[dict]:
+    """Prompts (tokenized as `tokenizer(prompt)`, BOS from the tokenizer) -> one dict per prompt:
+    text, token_ids (new only), prompt_tokens, new_tokens, tokens_per_second."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    prompt_ids = [list(tokenizer(p)["input_ids"]) for p in prompts]
+    for p, ids in zip(prompts, prompt_ids):
+        if not ids:
+            raise ValueError(f"prompt {p!r} tokenizes to no tokens (and the tokenizer adds no BOS)")
+    eos = tokenizer_eos_ids(model, tokenizer)
+    dec = Decoder(model, eos_ids=eos, pad_id=pad_id(tokenizer))
+    new = generate_ids(model, prompt_ids, max_new_tokens, temperature=temperature, top_p=top_p,
+                       seed=seed, decoder=dec)
+    rate = dec.tokens_per_second()
+    results = []
+    for ids, toks in zip(prompt_ids, new):
+        results.append({
+            "text": tokenizer.decode([t for t in toks if t not in eos], skip_special_tokens=True),
+            "token_ids": toks, "prompt_tokens": len(ids), "new_tokens": len(toks),
+            # steady decode rate of the whole batch (compilation and prefill excluded; see Decoder)
+            "tokens_per_second": rate,
+        })
+    return results
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading a checkpoint (and an adapter) for generation, evaluation and serving
+# --------------------------------------------------------------------------------------------------
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def load_model(model_dir, adapter=None, dtype: str = "float32"):
+    """(model, tokenizer, model_dir): an HF or GPTQ checkpoint directory, with a PEFT adapter if given."""
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    model = checkpoint.load(model_dir, dtype=DTYPES[dtype])
+    if adapter is not None:
+        model = load_adapter(model, adapter)
+    return model, load_tokenizer(model_dir), model_dir

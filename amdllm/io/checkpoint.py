@@ -1,0 +1,291 @@
+"""Hugging Face Llama checkpoints in and out: `load(dir) -> Llama`, `save(model, dir)`.
+
+How it works, and why:
+  * One table, `NAME_TABLE`, maps every HF tensor name to our parameter. HF stores one tensor per
+    layer, nn.Linear weights [out, in]; we store each kind stacked on a leading `layers` axis with
+    kernels [in, out]. So HF `model.layers.{i}.self_attn.q_proj.weight` [q, D] is `layers/q_proj[i].T`.
+  * Tensors are read through `amdllm.io.safetensors` (memory-mapped safetensors, re-exported here):
+    a tensor is a zero-copy view of the file until it is copied into its destination.
+  * Host memory at load is about the model itself (1.0-1.1x the checkpoint for a same-dtype load):
+    each parameter's destination is allocated once, 64-byte aligned, and every HF tensor is cast and
+    transposed straight into it, a slab of rows at a time, each slab's file pages released as soon as
+    it is copied. On CPU `jax.device_put` adopts an aligned host buffer without copying it, so that
+    buffer *is* the parameter; an unaligned one would be copied, holding the parameter twice.
+  * With `shardings`, each parameter is created by `jax.make_array_from_callback`: every device asks
+    only for its block, which is read straight from the mapped files (layer range, then a transposed
+    2-D slice), so no host ever holds a whole 405B parameter.
+  * Every name, shape and file is checked before anything is built, and all problems are reported
+    at once in one `CheckpointError` line.
+"""
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from amdllm.config import LlamaConfig
+from amdllm.files import atomic_write_text, read_json
+from amdllm.io.gptq_format import load_quantized
+from amdllm.io.names import IGNORED_SUFFIXES, NAME_TABLE, TOKENIZER_FILES
+from amdllm.io.tokenizer import copy_tokenizer
+from amdllm.model.llama import Llama, param_table
+from amdllm.parallel.sharding import activation_sharding, param_shardings
+from amdllm.io.safetensors import (ST_DTYPES, ST_NAMES, CheckpointError, SafetensorsFile, TensorSource,
+                                   load_tensors, parse_size, save_tensors, write_safetensors)
+
+# the reader / writer are re-exported: `checkpoint.TensorSource`, `checkpoint.save_tensors`, ... keep working
+__all__ = ["NAME_TABLE", "IGNORED_SUFFIXES", "TOKENIZER_FILES", "hf_tensor_specs", "validate", "load", "save",
+           "CheckpointError", "ST_DTYPES", "ST_NAMES", "SafetensorsFile", "TensorSource", "load_tensors",
+           "parse_size", "save_tensors", "write_safetensors"]
+
+
+
+
+def hf_tensor_specs(cfg: LlamaConfig) -> dict[str, tuple[str, int | None, bool, tuple[int, ...]]]:
+    """HF name -> (our name, layer index or None, transposed, HF shape), in HF (layer-major) order."""
+    ours = param_table(cfg)
+    specs: dict[str, tuple[str, int | None, bool, tuple[int, ...]]] = {}
+
+    def add(name, hf, layer, tr):
+        shape = ours[name][0][1:] if layer is not None else ours[name][0]
+        specs[hf.format(i=layer)] = (name, layer, tr, tuple(reversed(shape)) if tr else tuple(shape))
+
+    # transformers' order (embeddings, layer 0 .. L-1, final norm, head), so a shard holds whole layers
+    add(*NAME_TABLE[0][:2], None, NAME_TABLE[0][2])
+    for i in range(cfg.num_hidden_layers):
+        for name, hf, tr in NAME_TABLE:
+            if name.startswith("layers/"):
+                add(name, hf, i, tr)
+    for name, hf, tr in NAME_TABLE[-2:]:
+        if name in ours:  # no lm_head when embeddings are tied
+            add(name, hf, None, tr)
+    return specs
+
+
+# ------------------------------------------------------------------------------------------------
+# load
+# ------------------------------------------------------------------------------------------------
+def _fmt(items: list[str], limit: int = 8) -> str:
+    more = f", ... and {len(items) - limit} more" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more
+
+
+def validate(src: TensorSource, cfg: LlamaConfig) -> dict:
+    """Check names, shapes and dtypes against `cfg`; raise one CheckpointError listing every problem."""
+    specs = hf_tensor_specs(cfg)
+    found = set(src.names())
+    missing = [n for n in specs if n not in found]
+    ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()  # tied: transformers skips it
+    unexpected = sorted(n for n in found - set(specs) if n not in ignorable and not n.endswith(IGNORED_SUFFIXES))
+    bad_shape = [f"{n} expected {list(s[3])} found {list(src.shape(n))}"
+                 for n, s in specs.items() if n in found and tuple(src.shape(n)) != s[3]]
+    bad_dtype = [f"{n} ({src.dtype(n)})" for n in specs if n in found and not np.issubdtype(src.dtype(n), np.floating)
+                 and src.dtype(n) != ml_dtypes.bfloat16]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {_fmt(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {_fmt(unexpected)}")
+    if bad_shape:
+        problems.append(f"wrong shapes: {_fmt(bad_shape)}")
+    if bad_dtype:
+        problems.append(f"non-float tensors: {_fmt(bad_dtype)}")
+    if problems:
+        raise CheckpointError(f"{src.path}: checkpoint does not match config.json "
+                              f"({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}): " + "; ".join(problems))
+    return specs
+
+
+# XLA's CPU client adopts a host buffer as a device buffer without copying only when its data starts on
+# a 64-byte boundary; numpy's (malloc's) large buffers start 16 bytes into a page, so they are copied.
+ALIGN = 64
+SLAB_BYTES = 8 << 20  # HF rows copied per step; their file pages are released before the next step
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """An uninitialised C-ordered array whose data starts on an ALIGN-byte boundary."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(n + ALIGN, np.uint8)
+    off = -raw.ctypes.data % ALIGN
+    return raw[off:off + n].view(dtype).reshape(shape)
+
+
+def _copy_into(out: np.ndarray, src: TensorSource, name: str, tr: bool, index: tuple) -> None:
+    """out[...] = (HF tensor `name`, transposed if `tr`)[index], cast to out.dtype. A 2-D tensor is
+    copied a slab of HF rows at a time and each slab's file pages are released once copied, so the
+    pages touched never add more than SLAB_BYTES to the peak (a transposed column block reads them all)."""
+    view = src.get(name)  # a view of the mapped file: copied, never aliased (pages are released below)
+    if view.ndim != 2:
+        out[...] = view[index]
+        src.release(name)
+        return
+    row_sl, col_sl = (index[1], index[0]) if tr else index  # HF rows are our columns when transposed
+    rows = range(*row_sl.indices(view.shape[0]))
+    if rows.step != 1:  # never asked for by jax; correct, just not slab by slab
+        out[...] = (view.T if tr else view)[index]
+        src.release(name)
+        return
+    step = max(1, SLAB_BYTES // max(1, view.shape[1] * view.dtype.itemsize))
+    for k in range(0, len(rows), step):
+        r0, r1 = rows.start + k, min(rows.stop, rows.start + k + step)
+        slab = view[r0:r1, col_sl]
+        if tr:
+            out[:, k:k + r1 - r0] = slab.T  # the transpose is a strided copy straight into `out`
+        else:
+            out[k:k + r1 - r0] = slab
+        src.release(name, (r0, r1))
+
+
+def _read_block(src: TensorSource, cfg: LlamaConfig, ours: str, index: tuple, dtype) -> np.ndarray:
+    """Our parameter `ours` restricted to `index` (a tuple of slices), read from HF tensors, as `dtype`,
+    in a fresh ALIGN-aligned buffer that jax may adopt as is."""
+    (hf, tr) = next((h, t) for o, h, t in NAME_TABLE if o == ours)
+    shape = param_table(cfg)[ours][0]
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    block = tuple(len(range(*sl.indices(n))) for sl, n in zip(index, shape))
+    out = _aligned_empty(block, dtype)
+    if not ours.startswith("layers/"):
+        _copy_into(out, src, hf, tr, index)
+        return out
+    for j, i in enumerate(range(*index[0].indices(shape[0]))):  # the stacked buffer, one layer at a time
+        _copy_into(out[j], src, hf.format(i=i), tr, index[1:])
+    return out
+
+
+def _flatten_shardings(sh) -> dict[str, Any]:
+    """Accept {"layers/q_proj": s}, {("layers", "q_proj"): s}, nested dicts or an nnx.State."""
+    if sh is None:
+        return {}
+    if isinstance(sh, nnx.State):
+        sh = sh.to_pure_dict()
+    flat = {}
+
+    def walk(prefix, d):
+        for k, v in d.items():
+            key = "/".join(map(str, k)) if isinstance(k, tuple) else str(k).replace(".", "/")
+            key = f"{prefix}/{key}" if prefix else key
+            if isinstance(v, dict):
+                walk(key, v)
+            else:
+                flat[key] = v
+    walk("", dict(sh))
+    return flat
+
+
+def load(path, *, dtype=jnp.float32, compute_dtype=None, mesh=None, rules=None, shardings=None,
+         allow_pickle: bool = False, remat: bool = False) -> Llama:
+    """Read an HF Llama checkpoint directory into a `Llama` with parameters in `dtype`.
+
+    compute_dtype: activations dtype (default: `dtype`). shardings: {our name: jax Sharding}; or
+    `mesh` + `rules` to derive them with `amdllm.parallel.sharding.param_shardings`. GPTQ directories
+    (a `quantization_config` in config.json) are handed to `amdllm.io.gptq_format.load_quantized`.
+    """
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a checkpoint directory" + ("" if path.exists() else " (not found)"))
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{path}: config.json not found (is this a Hugging Face checkpoint directory?)")
+    raw = read_json(cfg_file, CheckpointError)
+    if raw.get("quantization_config") or (path / "quantize_config.json").is_file():
+        return load_quantized(path, dtype=dtype, compute_dtype=compute_dtype, mesh=mesh, rules=rules,
+                              shardings=shardings, remat=remat)
+    cfg = LlamaConfig.from_dict(raw, source=str(cfg_file))  # ConfigError names file and setting
+    src = TensorSource(path, allow_pickle=allow_pickle)
+    validate(src, cfg)
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise CheckpointError(f"dtype={dtype}: parameters must be a floating dtype (float32, bfloat16, float16)")
+    model = Llama.abstract(cfg, param_dtype=dtype, dtype=compute_dtype or dtype, remat=remat)
+    if shardings is None and mesh is not None:
+        shardings = param_shardings(model, mesh, rules)
+        model.act_sharding = activation_sharding(mesh, rules)  # activations split by batch
+    shardings = _flatten_shardings(shardings)
+    table = param_table(cfg)
+    for ours in tqdm(table, desc=f"loading {path.name}", leave=False):
+        shape = table[ours][0]
+        if ours in shardings:
+            value = jax.make_array_from_callback(
+                shape, shardings[ours], lambda idx, o=ours: _read_block(src, cfg, o, idx, dtype))
+        else:
+            value = jax.device_put(_read_block(src, cfg, ours, (), dtype), may_alias=True)
+        owner, attr = (model.layers, ours.split("/")[1]) if ours.startswith("layers/") else (model, ours)
+        getattr(owner, attr).set_value(value)
+    return model
+
+
+# ------------------------------------------------------------------------------------------------
+# save
+# ------------------------------------------------------------------------------------------------
+def _param_value(model: Llama, ours: str):
+    owner, attr = (model.layers, ours.split("/")[1]) if ours.startswith("layers/") else (model, ours)
+    v = getattr(owner, attr)
+    v = v.get_value() if isinstance(v, nnx.Variable) else v
+    if not hasattr(v, "dtype") or not jnp.issubdtype(v.dtype, jnp.floating):
+        raise CheckpointError(f"parameter {ours} is {type(v).__name__}, not a dense float array (GPTQ-"
+                              "quantized?); save quantized models with amdllm.io.gptq_format.save_quantized")
+    return v
+
+
+def save(model: Llama, path, *, dtype=None, max_shard_size="2GB", tokenizer_from=None) -> Path:
+    """Write `model` as an HF checkpoint directory (config.json + safetensors, sharded above
+    `max_shard_size` with model.safetensors.index.json). dtype: storage dtype (default: the model's)."""
+    path = Path(path)
+    cfg = model.cfg
+    limit = parse_size(max_shard_size)
+    if any(k.endswith("_lora_a") for k in nnx.to_pure_dict(nnx.state(model.layers))):
+        warnings.warn("model has LoRA factors: checkpoint.save writes the base weights only; merge them first "
+                      "(amdllm.model.lora) or save the adapter", stacklevel=2)
+    specs = hf_tensor_specs(cfg)
+    values = {ours: _param_value(model, ours) for ours in param_table(cfg)}
+    out_dt = np.dtype(jnp.dtype(dtype) if dtype is not None else values["embed_tokens"].dtype)
+    if out_dt.name not in ("float32", "bfloat16", "float16"):
+        raise CheckpointError(f"dtype={out_dt.name}: expected float32, bfloat16 or float16")
+
+    def fetch(ours, layer, tr):
+        def f():
+            v = values[ours] if layer is None else values[ours][layer]  # one layer: gathers only this slice
+            v = np.asarray(jnp.asarray(v).astype(out_dt))
+            return v.T if tr else v
+        return f
+
+    entries = [(hf, s[3], out_dt, fetch(s[0], s[1], s[2])) for hf, s in specs.items()]
+    shards, size = [[]], 0
+    for e in entries:  # greedy, in order, like transformers: a new file when the next tensor would overflow
+        n = int(np.prod(e[1])) * out_dt.itemsize
+        if shards[-1] and size + n > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(e)
+        size += n
+    path.mkdir(parents=True, exist_ok=True)
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
+    for fname, shard in tqdm(list(zip(names, shards)), desc=f"saving {path.name}", leave=False):
+        write_safetensors(path / fname, shard, {"format": "pt"})
+    index = path / "model.safetensors.index.json"
+    if len(shards) > 1:
+        total = sum(int(np.prod(e[1])) * out_dt.itemsize for e in entries)
+        wm = {e[0]: fname for fname, shard in zip(names, shards) for e in shard}
+        atomic_write_text(index, json.dumps({"metadata": {"total_size": total}, "weight_map": wm}, indent=2) + "\n")
+    # remove weights of an earlier save in this directory, so no loader picks up stale files
+    for old in list(path.glob("model*.safetensors")) + ([index] if len(shards) == 1 else []):
+        if old.name not in names and old.exists() and (old.name == index.name or re.fullmatch(
+                r"model(-\d{5}-of-\d{5})?\.safetensors", old.name)):
+            old.unlink()
+    d = cfg.to_dict()
+    d["torch_dtype"] = d["dtype"] = out_dt.name  # transformers 4 reads torch_dtype, 5 reads dtype
+    atomic_write_text(path / "config.json", json.dumps(d, indent=2, sort_keys=True) + "\n")
+    if tokenizer_from is not None:
+        copy_tokenizer(Path(tokenizer_from), path)
+    return path

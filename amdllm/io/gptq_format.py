@@ -1,0 +1,226 @@
+"""GPTQ checkpoints on disk: the quantization config, save and load (GPTQModel's v1 and v2 layouts).
+
+The format (GPTQ-for-LLaMa / AutoGPTQ / GPTQModel / transformers, docs/formats.md), for a
+linear with in_features K, out_features N, `bits` b, pack factor p = 32/b, group size G (-1 means K),
+n_g = K/G:
+    qweight int32 [K/p, N]    codes packed along K, lowest k in the lowest bits
+    qzeros  int32 [n_g, N/p]  zero points packed along N; v1 ("gptq") stores zero-1, v2 ("gptq_v2") zero
+    scales  fp16  [n_g, N]
+    g_idx   int32 [K]         group of each input row (k // G unless act-order)
+In memory the model keeps v2's convention (`amdllm.model.quantized`, which also packs and unpacks):
+v1's zero-1 cannot represent an asymmetric zero of 0 without wrapping (the "-1 overflow" of AutoGPTQ
+PR #640), so files are converted once at load and save time, nibble by nibble.
+"""
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors.numpy import save as st_save
+
+from amdllm.config import LlamaConfig
+from amdllm.files import atomic_path, atomic_write_text
+from amdllm.io.names import HF_PARENT, hf_proj
+from amdllm.io.safetensors import CheckpointError, load_tensors
+from amdllm.io.tokenizer import copy_tokenizer
+from amdllm.model.llama import Llama, param_table
+from amdllm.model.quantized import (FORMAT_BITS, QUANT_KEYS, QuantFormatError, QuantLinear,  # noqa: F401
+                                    check_bits, infer_bits, pack_cols, unpack_cols)
+
+PROJECTIONS = tuple(HF_PARENT)
+
+
+# --------------------------------------------------------------------------------------------------
+# safetensors: the shared reader (amdllm.io.safetensors), bf16/fp16/int32 all come back as numpy
+# --------------------------------------------------------------------------------------------------
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of one .safetensors file, copied out of the map; a bad file is a QuantFormatError."""
+    try:
+        return load_tensors(path)
+    except CheckpointError as e:
+        raise QuantFormatError(str(e)) from None
+
+
+def read_checkpoint_tensors(path: Path) -> dict[str, np.ndarray]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise QuantFormatError(f"{path}: no *.safetensors files")
+    tensors = {}
+    for f in files:
+        tensors.update(read_safetensors(f))
+    return tensors
+
+
+# --------------------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------------------
+def quant_config_dict(bits, group_size, sym, desc_act, *, static_groups=False, damp_percent=0.01,
+                      true_sequential=True, checkpoint_format=None) -> dict:
+    fmt = checkpoint_format or ("gptq" if sym else "gptq_v2")  # asym zero 0 does not survive v1
+    return {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act,
+            "sym": sym, "true_sequential": true_sequential, "damp_percent": damp_percent,
+            "static_groups": static_groups, "lm_head": False, "checkpoint_format": fmt, "format": fmt,
+            "meta": {"quantizer": ["amdllm"]}}
+
+
+def read_quant_config(path: Path) -> dict:
+    """quantization_config from config.json, else quantize_config.json; normalised keys, validated."""
+    cfg_file, qc_file = path / "config.json", path / "quantize_config.json"
+    qc = json.loads(cfg_file.read_text()).get("quantization_config") if cfg_file.exists() else None
+    src = f"{cfg_file}: quantization_config"
+    if qc is None and qc_file.exists():
+        qc, src = json.loads(qc_file.read_text()), str(qc_file)
+    if qc is None:
+        raise QuantFormatError(f"{path}: no quantization_config in config.json and no quantize_config.json")
+    method = qc.get("quant_method", "gptq")
+    if method != "gptq":
+        raise QuantFormatError(f"{src}: quant_method {method!r} is not supported (expected 'gptq')")
+    fmt = qc.get("checkpoint_format") or qc.get("format") or "gptq"
+    if fmt not in ("gptq", "gptq_v2"):
+        raise QuantFormatError(f"{src}: checkpoint_format {fmt!r} is unknown; expected 'gptq' or 'gptq_v2'")
+    bits = qc.get("bits")
+    check_bits(bits, f"{src}: bits")
+    return {"bits": bits, "group_size": qc.get("group_size", -1), "format": fmt,
+            "sym": qc.get("sym", True), "desc_act": qc.get("desc_act", False), "raw": qc}
+
+
+# --------------------------------------------------------------------------------------------------
+# Save
+# --------------------------------------------------------------------------------------------------
+def _zeros_v1_to_v2(qzeros, bits, inverse=False):
+    z = unpack_cols(np.asarray(qzeros), bits)
+    z = (z - 1 if inverse else z + 1) & (2 ** bits - 1)  # nibble-wise, no carry into the neighbour
+    return pack_cols(z, bits)
+
+
+def save_quantized(model, path, quant_config: dict, *, tokenizer_from=None) -> Path:
+    """Write `model` (projections QuantLinear) as a GPTQ checkpoint (HF names, fp16 non-quantized)."""
+    path = Path(path)
+    cfg: LlamaConfig = model.cfg
+    fmt, bits = quant_config["checkpoint_format"], quant_config["bits"]
+    # to numpy first (no copy on the CPU): indexing the JAX arrays per layer compiled a slice per shape
+    layers = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model.layers)))
+    t = {"model.embed_tokens.weight": np.asarray(model.embed_tokens[...]),
+         "model.norm.weight": np.asarray(model.norm[...])}
+    if hasattr(model, "lm_head"):
+        t["lm_head.weight"] = np.asarray(model.lm_head[...]).T  # ours [D, V] -> HF [V, D]
+    for i in range(cfg.num_hidden_layers):
+        t[f"model.layers.{i}.input_layernorm.weight"] = layers["input_layernorm"][i]
+        t[f"model.layers.{i}.post_attention_layernorm.weight"] = layers["post_attention_layernorm"][i]
+        for proj in PROJECTIONS:
+            v = layers[proj]
+            if not isinstance(v, dict):
+                t[hf_proj(i, proj) + ".weight"] = v[i].T
+                continue
+            qz = np.asarray(v["qzeros"][i])
+            t[hf_proj(i, proj) + ".qweight"] = np.asarray(v["qweight"][i], np.int32)
+            t[hf_proj(i, proj) + ".qzeros"] = _zeros_v1_to_v2(qz, bits, inverse=True) if fmt == "gptq" else qz
+            t[hf_proj(i, proj) + ".scales"] = np.asarray(v["scales"][i], np.float16)
+            t[hf_proj(i, proj) + ".g_idx"] = np.asarray(v["g_idx"][i], np.int32)
+    # C order: astype keeps a transposed view's Fortran layout, and safetensors writes memory order
+    # (jnp.issubdtype: bfloat16 is a float too, though numpy files it under kind "V")
+    t = {k: np.ascontiguousarray(np.asarray(v).astype(np.float16) if jnp.issubdtype(np.asarray(v).dtype, jnp.floating)
+                                 and not k.endswith("scales") else v) for k, v in t.items()}
+    path.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path / "model.safetensors") as tmp:
+        tmp.write_bytes(st_save(t, metadata={"format": "pt"}))
+    hf = cfg.to_dict()
+    hf["torch_dtype"] = hf["dtype"] = "float16"
+    hf["quantization_config"] = quant_config
+    atomic_write_text(path / "config.json", json.dumps(hf, indent=2))
+    atomic_write_text(path / "quantize_config.json", json.dumps(quant_config, indent=2))
+    if tokenizer_from is not None:
+        copy_tokenizer(tokenizer_from, path, required=False)
+    return path
+
+
+# --------------------------------------------------------------------------------------------------
+# Load (ours, GPTQModel/AutoGPTQ v1 and v2) -- also reads plain dense HF Llama directories
+# --------------------------------------------------------------------------------------------------
+def _get(t, name, shape, path):
+    if name not in t:
+        raise QuantFormatError(f"{path}: tensor {name} is missing")
+    a = t[name]
+    if shape is not None and tuple(a.shape) != tuple(shape):
+        raise QuantFormatError(f"{path}: tensor {name} has shape {tuple(a.shape)}, expected {tuple(shape)}")
+    return a
+
+
+def _load_quant_proj(t, name, K, N, qc, path):
+    bits, G = qc["bits"], qc["group_size"]
+    p = 32 // bits
+    if K % p or N % p:
+        raise QuantFormatError(f"{path}: {name} has in/out features {K}/{N}, not multiples of {p} at {bits} bits")
+    qw = t.get(name + ".qweight")
+    if qw is not None and infer_bits(qw.shape[0], K, f"{path}: {name}.qweight") != bits:
+        raise QuantFormatError(f"{path}: {name}.qweight shape {qw.shape} implies "
+                               f"{32 * qw.shape[0] // K} bits but the quantization config says bits={bits}")
+    g = _get(t, name + ".g_idx", (K,), path).astype(np.int32)
+    ng = K // G if G not in (-1, 0) and G < K else 1
+    if G not in (-1, 0) and K % G:
+        raise QuantFormatError(f"{path}: {name}: group_size {G} does not divide in_features {K}")
+    if g.min() < 0 or g.max() >= ng:
+        raise QuantFormatError(f"{path}: {name}.g_idx has values in [{g.min()}, {g.max()}], expected [0, {ng})")
+    qw = _get(t, name + ".qweight", (K // p, N), path).astype(np.int32)
+    qz = _get(t, name + ".qzeros", (ng, N // p), path).astype(np.int32)
+    sc = _get(t, name + ".scales", (ng, N), path).astype(np.float16)
+    if qc["format"] == "gptq":
+        z = unpack_cols(np.asarray(qz), bits)
+        if qc["sym"] and np.all(z == 2 ** (bits - 1)):  # v2 zeros labelled "gptq" (vLLM PR #38966)
+            warnings.warn(f"{path}: {name}.qzeros hold symmetric v2 zeros ({2 ** (bits - 1)}) but the "
+                          "checkpoint says 'gptq' (v1, which stores zero-1); reading them as v2", stacklevel=3)
+        else:
+            qz = _zeros_v1_to_v2(qz, bits)
+    return {"qweight": qw, "qzeros": qz, "scales": sc, "g_idx": g}
+
+
+def load_quantized(path, *, dtype=jnp.float32, compute_dtype=None, mesh=None, rules=None,
+                   shardings=None, remat: bool = False, **_ignored):
+    """A GPTQ (or dense) HF Llama directory -> `Llama` with QuantLinear projections (packed, on device).
+
+    dtype: for the non-quantized tensors (embeddings, norms, lm_head, dense projections);
+    compute_dtype: the activations' dtype (default: dtype). Sharding arguments are accepted for
+    checkpoint.load's signature; quantized weights are placed on the default device.
+    """
+    path = Path(path)
+    cfg = LlamaConfig.from_json(path)
+    raw = json.loads((path / "config.json").read_text())
+    quantized = "quantization_config" in raw or (path / "quantize_config.json").exists()
+    qc = read_quant_config(path) if quantized else None
+    t = read_checkpoint_tensors(path)
+    model = Llama.abstract(cfg, param_dtype=dtype, dtype=compute_dtype or dtype, remat=remat)
+    table = param_table(cfg)
+    L, D, V = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size
+
+    def put(owner, attr, arr, axes):
+        setattr(owner, attr, nnx.Param(jnp.asarray(arr, dtype), axes=axes))
+
+    put(model, "embed_tokens", _get(t, "model.embed_tokens.weight", (V, D), path), table["embed_tokens"][1])
+    put(model, "norm", _get(t, "model.norm.weight", (D,), path), table["norm"][1])
+    if "lm_head" in table:
+        put(model, "lm_head", _get(t, "lm_head.weight", (V, D), path).T, table["lm_head"][1])
+    for nm in ("input_layernorm", "post_attention_layernorm"):
+        rows = [_get(t, f"model.layers.{i}.{nm}.weight", (D,), path) for i in range(L)]
+        put(model.layers, nm, np.stack(rows), table["layers/" + nm][1])
+    for proj in PROJECTIONS:
+        (_, K, N), axes = table["layers/" + proj]
+        kinds = {i: (hf_proj(i, proj) + ".qweight") in t for i in range(L)}
+        if len(set(kinds.values())) > 1:
+            raise QuantFormatError(f"{path}: {proj} is quantized in some layers and dense in others "
+                                   f"(quantized in layers {[i for i, k in kinds.items() if k]})")
+        if kinds[0]:
+            if qc is None:
+                raise QuantFormatError(f"{path}: {hf_proj(0, proj)}.qweight present but config.json has no "
+                                       "quantization_config")
+            per = [_load_quant_proj(t, hf_proj(i, proj), K, N, qc, path) for i in range(L)]
+            stk = {k: jnp.asarray(np.stack([d[k] for d in per])) for k in QUANT_KEYS}
+            setattr(model.layers, proj, QuantLinear(**stk))
+        else:
+            rows = [_get(t, hf_proj(i, proj) + ".weight", (N, K), path).T for i in range(L)]
+            put(model.layers, proj, np.stack(rows), axes)
+    return model

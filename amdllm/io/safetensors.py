@@ -1,0 +1,236 @@
+"""safetensors without a framework: a checked, memory-mapped reader and a streaming, atomic writer.
+
+A .safetensors file is an 8-byte little-endian header length, a JSON header (name -> dtype, shape,
+byte offsets into the data), then raw little-endian data. Decoding it here (not with `safetensors` or
+torch) gives zero-copy numpy views over a memory map: a tensor costs host memory only for the pages
+that are touched, and `release` hands those pages back. numpy has no bfloat16; `ml_dtypes` (a jax
+dependency) provides it, so bf16 files are read and written exactly.
+
+  * `SafetensorsFile`: one file, its header checked against the file size before anything is read.
+  * `TensorSource`: every tensor of a checkpoint directory (one file, an index + shards, or, opted
+    in, pickled PyTorch weights) by name.
+  * `write_safetensors`: streams tensors into a file, fetching each just before it is written, so a
+    save holds one tensor on the host at a time; the file appears only when complete.
+
+`amdllm.io.checkpoint` re-exports all of this; the Llama name table and load/save live there.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+import ml_dtypes
+import numpy as np
+
+from amdllm.files import atomic_path
+
+
+class CheckpointError(ValueError):
+    """A checkpoint we cannot read or write; the message names the file / tensor and what was expected."""
+
+
+ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+             "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "I64": np.int64,
+             "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+ST_NAMES = {np.dtype(v): k for k, v in ST_DTYPES.items()}
+
+
+class SafetensorsFile:
+    """One .safetensors file: header parsed and checked against the file size; tensors as mmap views."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        size = self.path.stat().st_size
+        with open(self.path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{self.path}: truncated or not a safetensors file ({size} bytes)")
+            n = int.from_bytes(head, "little")
+            if n > size - 8 or n > 100_000_000:
+                raise CheckpointError(f"{self.path}: truncated or corrupt safetensors file (header of {n} "
+                                      f"bytes announced, file has {size} bytes)")
+            try:
+                header = json.loads(f.read(n))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise CheckpointError(f"{self.path}: corrupt safetensors header ({e})") from None
+        self.metadata = header.pop("__metadata__", None) or {}
+        self.data_start = 8 + n
+        self.tensors: dict[str, tuple[Any, tuple[int, ...], int, int]] = {}
+        end_max = 0
+        for name, t in header.items():
+            if isinstance(t, dict) and t.get("dtype") is not None and t["dtype"] not in ST_DTYPES:
+                raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported dtype {t['dtype']!r} "
+                                      f"(expected one of {', '.join(ST_DTYPES)})")
+            try:
+                dt, shape, (b, e) = ST_DTYPES[t["dtype"]], tuple(t["shape"]), t["data_offsets"]
+            except (KeyError, TypeError, ValueError):
+                raise CheckpointError(f"{self.path}: tensor {name!r} has an unreadable header entry {t}") from None
+            if e - b != int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize:
+                raise CheckpointError(f"{self.path}: tensor {name!r} header is inconsistent "
+                                      f"(shape {list(shape)} {t['dtype']} vs {e - b} bytes)")
+            self.tensors[name] = (dt, shape, b, e)
+            end_max = max(end_max, e)
+        if self.data_start + end_max > size:
+            raise CheckpointError(f"{self.path}: truncated safetensors file (data ends at byte "
+                                  f"{self.data_start + end_max}, file has {size} bytes)")
+        self._map = np.memmap(self.path, dtype=np.uint8, mode="r") if size else None
+
+    def get(self, name: str) -> np.ndarray:
+        """A read-only zero-copy view of tensor `name` (pages are read from disk only when touched)."""
+        dt, shape, b, e = self.tensors[name]
+        return self._map[self.data_start + b:self.data_start + e].view(dt).reshape(shape)
+
+    def release(self, name: str, rows: tuple[int, int] | None = None) -> None:
+        """Drop this process's mapped pages of tensor `name`, or of its rows [r0, r1) along axis 0
+        (they stay in the page cache and are re-read if touched again), so a load's resident memory
+        is what it owns, not the file pages its copies touched."""
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        if self._map is None or advice is None:
+            return
+        _, shape, b, e = self.tensors[name]
+        if rows is not None and shape:
+            row = (e - b) // shape[0] if shape[0] else 0
+            b, e = b + rows[0] * row, b + rows[1] * row
+        # madvise wants page alignment; dropping a neighbour's page is harmless (re-read if touched)
+        start = (self.data_start + b) // mmap.PAGESIZE * mmap.PAGESIZE
+        if self.data_start + e > start:
+            self._map._mmap.madvise(advice, start, self.data_start + e - start)
+
+
+class TensorSource:
+    """All tensors of a checkpoint directory (one file, index + shards, or opted-in pickles) by name."""
+
+    def __init__(self, path: str | Path, allow_pickle: bool = False):
+        self.path = Path(path)
+        self._where: dict[str, Any] = {}  # name -> SafetensorsFile or a torch state dict
+        single, index = self.path / "model.safetensors", self.path / "model.safetensors.index.json"
+        if single.is_file():
+            self._add_file(single)
+        elif index.is_file():
+            for fname in sorted(set(_read_weight_map(index).values())):
+                if not (self.path / fname).is_file():
+                    raise CheckpointError(f"{index}: shard {fname!r} listed in weight_map is missing")
+                self._add_file(self.path / fname)
+            for name, fname in _read_weight_map(index).items():
+                if name not in self._where:
+                    raise CheckpointError(f"{index}: tensor {name!r} is mapped to {fname!r} but that file "
+                                          "does not contain it")
+        else:
+            bins = sorted(self.path.glob("pytorch_model*.bin")) or sorted(self.path.glob("*.bin"))
+            if not bins:
+                found = sorted(p.name for p in self.path.iterdir()) if self.path.is_dir() else []
+                raise CheckpointError(f"{self.path}: no model.safetensors, model.safetensors.index.json or "
+                                      f"pytorch_model*.bin found (files: {found})")
+            if not allow_pickle:
+                raise CheckpointError(
+                    f"{bins[0]}: pickled PyTorch weights are refused (a .bin can run arbitrary code when "
+                    "loaded); convert to safetensors, or pass allow_pickle=True if you trust the source")
+            import torch  # optional: only to read pickled .bin shards the caller allowed
+            for b in bins:
+                try:  # mmap keeps host memory low; legacy (non-zip) pickles cannot be mapped
+                    sd = torch.load(b, map_location="cpu", weights_only=True, mmap=True)
+                except RuntimeError:
+                    try:
+                        sd = torch.load(b, map_location="cpu", weights_only=True)
+                    except Exception as e:
+                        raise CheckpointError(f"{b}: cannot read PyTorch weights ({type(e).__name__}: "
+                                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
+                for name in sd:
+                    self._where[name] = sd
+
+    def _add_file(self, path: Path):
+        f = SafetensorsFile(path)
+        for name in f.tensors:
+            self._where[name] = f
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        src = self._where[name]
+        return src.tensors[name][1] if isinstance(src, SafetensorsFile) else tuple(src[name].shape)
+
+    def dtype(self, name: str) -> np.dtype:
+        src = self._where[name]
+        return np.dtype(src.tensors[name][0]) if isinstance(src, SafetensorsFile) else _torch_np(src[name]).dtype
+
+    def get(self, name: str) -> np.ndarray:
+        src = self._where[name]
+        return src.get(name) if isinstance(src, SafetensorsFile) else _torch_np(src[name])
+
+    def release(self, name: str, rows: tuple[int, int] | None = None) -> None:
+        src = self._where[name]
+        if isinstance(src, SafetensorsFile):
+            src.release(name, rows)
+
+
+def _read_weight_map(index: Path) -> dict[str, str]:
+    try:
+        wm = json.loads(index.read_text())["weight_map"]
+        assert isinstance(wm, dict)
+        return wm
+    except (json.JSONDecodeError, KeyError, AssertionError, TypeError):
+        raise CheckpointError(f"{index}: not a valid index (expected JSON with a 'weight_map' object)") from None
+
+
+def _torch_np(t) -> np.ndarray:
+    import torch  # optional: only for tensors from pickled .bin shards
+    if t.dtype == torch.bfloat16:  # numpy has no bf16: reinterpret the bits
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def load_tensors(path: str | Path) -> dict[str, np.ndarray]:
+    """Every tensor of one .safetensors file as numpy (bf16 as ml_dtypes.bfloat16); for small files."""
+    f = SafetensorsFile(Path(path))
+    return {name: np.array(f.get(name)) for name in f.tensors}
+
+
+
+# ------------------------------------------------------------------------------------------------
+# writing
+# ------------------------------------------------------------------------------------------------
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(size) -> int:
+    """2_000_000, "2GB" (10^9, like transformers), "500MB", "1GiB" -> bytes."""
+    if isinstance(size, (int, np.integer)) and size > 0:
+        return int(size)
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", str(size).upper())
+    if not m or float(m.group(1)) <= 0:
+        raise CheckpointError(f"max_shard_size={size!r}: expected bytes (int) or a size like '2GB', '500MB'")
+    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+
+
+def write_safetensors(path, entries: list[tuple[str, tuple[int, ...], Any, Callable[[], np.ndarray]]],
+                      metadata: dict[str, str] | None = None) -> None:
+    """Stream tensors into one .safetensors file, atomically. entries: (name, shape, dtype, fetch);
+    `fetch()` is called once per tensor, just before its bytes are written, so only one is in memory."""
+    header, offset = {}, 0
+    for name, shape, dt, _ in entries:
+        n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
+        header[name] = {"dtype": ST_NAMES[np.dtype(dt)], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    header = {"__metadata__": dict(metadata or {"format": "pt"}), **header}
+    hbytes = json.dumps(header, separators=(",", ":")).encode()
+    hbytes += b" " * (-len(hbytes) % 8)  # data starts 8-byte aligned, like the reference writer
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        f.write(len(hbytes).to_bytes(8, "little"))
+        f.write(hbytes)
+        for name, shape, dt, fetch in entries:
+            a = np.ascontiguousarray(fetch(), dtype=dt)
+            if a.shape != tuple(shape):
+                raise CheckpointError(f"{path}: tensor {name!r} has shape {list(a.shape)}, header says {list(shape)}")
+            f.write(a.tobytes())  # little-endian on every platform JAX supports
+
+
+def save_tensors(path, tensors: dict[str, Any], metadata: dict[str, str] | None = None) -> None:
+    """Write a dict of arrays (numpy or jax, bf16 included) as one .safetensors file."""
+    write_safetensors(path, [(k, tuple(np.shape(v)), np.dtype(v.dtype), lambda v=v: np.asarray(v))
+                             for k, v in tensors.items()], metadata)
+

@@ -1,0 +1,124 @@
+"""Tokenizers: load any Hugging Face tokenizer directory; train the course's byte-level BPE.
+
+The course tokenizer is GPT-2/Llama-3 style byte-level BPE (every byte string is encodable, so any
+prompt template works), with Llama 3's special-token names: `<|begin_of_text|>` (BOS, added by
+`tokenizer(text)` through the tokenizer.json post-processor, exactly once), `<|end_of_text|>` (EOS)
+and `<|pad|>`. The files written are the three that `transformers.AutoTokenizer` reads offline.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from amdllm.files import atomic_write_bytes, atomic_write_text
+from amdllm.io.names import TOKENIZER_FILES
+from amdllm.io.safetensors import CheckpointError
+
+BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
+SPECIAL_TOKENS = (BOS, EOS, PAD)  # ids 0, 1, 2
+WRITTEN_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")  # save_for_transformers
+
+
+class TokenizerError(ValueError):
+    """A directory without a usable tokenizer; the message names the directory and what is missing."""
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """A `transformers.PreTrainedTokenizerFast` from a checkpoint or tokenizer directory (offline)."""
+    # transformers costs seconds to import: loaded when a tokenizer is, not by every command that imports us
+    from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+    p = Path(path)
+    if not p.is_dir():
+        raise TokenizerError(f"{p}: not a directory (expected a checkpoint or tokenizer directory)")
+    if not (p / "tokenizer.json").is_file():
+        found = sorted(f.name for f in p.iterdir())
+        raise TokenizerError(f"{p}: no tokenizer.json (a fast tokenizer is required); found {found}")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    except Exception as e:  # transformers raises many types; one line naming the directory is what helps
+        raise TokenizerError(f"{p}: could not load the tokenizer: {type(e).__name__}: {e}") from None
+    if not isinstance(tok, PreTrainedTokenizerBase) or not getattr(tok, "is_fast", False):
+        raise TokenizerError(f"{p}: loaded {type(tok).__name__}, expected a fast (tokenizer.json) tokenizer")
+    return tok
+
+
+def pad_id(tokenizer) -> int:
+    """The tokenizer's pad id, else 0. Llama tokenizers often define none; padded positions are masked
+    (attention, loss), so any id works, and 0 keeps embedding lookups in range."""
+    return int(tokenizer.pad_token_id) if tokenizer.pad_token_id is not None else 0
+
+
+def train_bpe(text_files: list[str | os.PathLike], vocab_size: int = 2048):
+    """A `tokenizers.Tokenizer`: byte-level BPE trained on `text_files`, BOS added by its post-processor.
+
+    On a small closed world the merges run out before `vocab_size` (every word becomes one token);
+    the trainer then stops early, which is fine.
+    """
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train([str(f) for f in text_files], trainer)
+    bos_id = tok.token_to_id(BOS)
+    # Llama 3 convention: BOS in front of every sequence; no EOS appended (generation decides that).
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B:1", special_tokens=[(BOS, bos_id)])
+    return tok
+
+
+def save_for_transformers(tok, out_dir: str | os.PathLike) -> list[Path]:
+    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json atomically.
+
+    No `model_max_length`: tokenizing a whole text (the perplexity protocol, the training stream)
+    is normal here, and the model's limit lives in config.json (max_position_embeddings).
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    added = {str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                                        "single_word": False, "special": True} for t in SPECIAL_TOKENS}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS, "pad_token": PAD,
+        "add_bos_token": True, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+        "model_input_names": ["input_ids", "attention_mask"],
+        "added_tokens_decoder": added,
+    }
+    files = {
+        "tokenizer.json": tok.to_str(pretty=True) + "\n",
+        "tokenizer_config.json": json.dumps(config, indent=2) + "\n",
+        "special_tokens_map.json": json.dumps({"bos_token": BOS, "eos_token": EOS, "pad_token": PAD},
+                                              indent=2) + "\n",
+    }
+    for name, text in files.items():
+        atomic_write_text(out / name, text)
+    return [out / n for n in files]
+
+
+def copy_tokenizer(src: str | os.PathLike, dst: str | os.PathLike, required: bool = True) -> None:
+    """Copy a checkpoint's tokenizer files (`TOKENIZER_FILES`, those present) into `dst`, atomically.
+    required: a source without any tokenizer file is an error (else nothing is copied)."""
+    src, dst = Path(src), Path(dst)
+    if not src.is_dir():
+        raise CheckpointError(f"tokenizer_from={src}: directory not found")
+    copied = [n for n in TOKENIZER_FILES if (src / n).is_file()]
+    if required and not any(n.startswith("tokenizer") for n in copied):
+        raise CheckpointError(f"tokenizer_from={src}: no tokenizer files found (expected one of {TOKENIZER_FILES})")
+    for n in copied:
+        if (src / n).resolve() != (dst / n).resolve():
+            atomic_write_bytes(dst / n, (src / n).read_bytes())
+
+
+def encode_fast(model_dir: str | os.PathLike, text: str):
+    """Token ids of `text` (int32 numpy) by the checkpoint's tokenizer.json, read by `tokenizers` itself:
+    the same ids as `load_tokenizer(model_dir)(text)` without importing transformers (~5 s of a command's
+    start). A directory without tokenizer.json gets load_tokenizer's error naming what is missing."""
+    f = Path(model_dir) / "tokenizer.json"
+    if not f.is_file():
+        load_tokenizer(model_dir)  # raises a TokenizerError naming what is missing
+    return np.asarray(Tokenizer.from_file(str(f)).encode(text).ids, np.int32)

@@ -1,0 +1,166 @@
+"""Several hosts, one program: JAX's own distributed runtime, and how to launch amdllm on it.
+
+`initialize()` wraps `jax.distributed.initialize`. After it, `jax.devices()` lists every device of
+every process, `amdllm.parallel.sharding.make_mesh("fsdp=-1")` spans all of them, and the same jitted code
+runs everywhere (SPMD): each process feeds its own devices, XLA does the collectives.
+
+Where the three numbers (coordinator address, number of processes, this process's id) come from,
+first match wins:
+  1. arguments:   initialize("10.0.0.1:12345", num_processes=4, process_id=rank)
+  2. environment: JAX_COORDINATOR_ADDRESS=host:port JAX_NUM_PROCESSES=N JAX_PROCESS_ID=i
+     (JAX_COORDINATOR_ADDRESS is the variable `jax.distributed.initialize` itself reads; the other two
+     are the usual companions, which JAX leaves to the caller)
+  3. SLURM (srun: SLURM_NTASKS > 1) or Open MPI (mpirun: OMPI_COMM_WORLD_SIZE > 1): JAX's own
+     cluster detection finds all three (JAX_COORDINATOR_ADDRESS, if set, overrides the address).
+  4. none of these: a single process; nothing to initialise.
+On CPU the cross-process collectives use gloo (set before the backend starts).
+
+## Scaling up: several 8x MI300X nodes
+
+One process per node, each owning its node's 8 GPUs; the mesh spans all of them. For 2 nodes
+(16 GPUs) and Llama 3.1 405B, plan first: `amdllm plan --model llama-3.1-405b --devices 16
+--mesh data=2,fsdp=8 --lora-rank 8 --seq-len 2048` gives ~101 GB of bf16 weights per GPU (each
+node holds a whole copy; `--mesh fsdp=16` halves that to ~51 GB but gathers weights across the
+network for every layer). Then, on every node:
+
+    # node 0 is the coordinator; pick any free TCP port reachable from the other nodes
+    export JAX_COORDINATOR_ADDRESS=node0.cluster:12345 JAX_NUM_PROCESSES=2
+    export JAX_PROCESS_ID=0             # 1 on the second node
+    export HIP_VISIBLE_DEVICES=0,1,2,3,4,5,6,7
+    python my_script.py                 # the same script on every node
+
+or, under SLURM, with nothing to set by hand (JAX reads the SLURM variables):
+
+    srun --nodes=2 --ntasks-per-node=1 --gpus-per-node=8 python my_script.py
+
+where the script does (tests/dist_child.py does exactly this on one machine, with 2 and 4 processes):
+
+    from amdllm.io import checkpoint
+    from amdllm.parallel import distributed, sharding
+    info = distributed.initialize()            # arguments / JAX_* / SLURM / Open MPI
+    mesh = sharding.make_mesh("data=2,fsdp=8") # 16 devices, 8 per process
+    model = checkpoint.load("/shared/Llama-3.1-405B", dtype="bfloat16", mesh=mesh, rules="fsdp")
+    batch = distributed.global_batch(my_rows, mesh)  # each process passes its share of the batch
+
+The `amdllm` command does not call `initialize()` yet: started on several nodes, each `amdllm finetune`
+would train alone on its own devices. Multi-host runs go through Python, as above, for now.
+
+Rules of thumb: keep `fsdp` (and `tensor`, if any) inside a node, where the GPUs share Infinity
+Fabric links, and put `data` across nodes (only gradients cross the slower network once a step).
+Every process must run the same program with the same shapes; the checkpoint directory must be
+visible to all of them (each reads only the slices its GPUs own); write outputs from process 0.
+"""
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from amdllm.parallel.sharding import batch_sharding
+
+ENV_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+
+
+class DistributedError(RuntimeError):
+    """Inconsistent multi-process settings; the message names the variable or argument."""
+
+
+def detect(env: Mapping[str, str] | None = None) -> dict:
+    """Where this process's distributed settings come from, without starting anything.
+
+    Returns {"source": "args"|"env"|"slurm"|"openmpi"|"single", "coordinator_address",
+    "num_processes", "process_id"} (None where JAX's own detection will fill a value in)."""
+    env = os.environ if env is None else env
+    given = [v for v in ENV_VARS if env.get(v)]
+    if given:
+        if len(given) < 3 and not (given == ["JAX_COORDINATOR_ADDRESS"] and _cluster(env)):
+            missing = [v for v in ENV_VARS if v not in given]
+            raise DistributedError(f"{', '.join(given)} set but {', '.join(missing)} missing; set all of "
+                                   f"{', '.join(ENV_VARS)} (or none, to use SLURM / Open MPI detection)")
+        if len(given) == 3:
+            return {"source": "env", "coordinator_address": env["JAX_COORDINATOR_ADDRESS"],
+                    "num_processes": _int(env, "JAX_NUM_PROCESSES"),
+                    "process_id": _int(env, "JAX_PROCESS_ID")}
+    cluster = _cluster(env)
+    if cluster:
+        return {**cluster, "coordinator_address": env.get("JAX_COORDINATOR_ADDRESS")}
+    return {"source": "single", "coordinator_address": None, "num_processes": 1, "process_id": 0}
+
+
+def _cluster(env) -> dict | None:
+    if int(env.get("SLURM_NTASKS", env.get("SLURM_NPROCS", "1")) or 1) > 1 and "SLURM_PROCID" in env:
+        return {"source": "slurm", "num_processes": _int(env, "SLURM_NTASKS" if "SLURM_NTASKS" in env
+                                                         else "SLURM_NPROCS"),
+                "process_id": _int(env, "SLURM_PROCID")}
+    if int(env.get("OMPI_COMM_WORLD_SIZE", "1") or 1) > 1:
+        return {"source": "openmpi", "num_processes": _int(env, "OMPI_COMM_WORLD_SIZE"),
+                "process_id": _int(env, "OMPI_COMM_WORLD_RANK")}
+    return None
+
+
+def _int(env, name) -> int:
+    try:
+        return int(env[name])
+    except (KeyError, ValueError):
+        raise DistributedError(f"environment variable {name}={env.get(name)!r} is not an integer") from None
+
+
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, *, local_device_ids=None, timeout_s: int = 300,
+               env: Mapping[str, str] | None = None) -> dict:
+    """Join (or start) the multi-process JAX runtime; a no-op for a single process. Idempotent.
+
+    Returns {"source", "process_id", "num_processes", "local_devices", "global_devices"}."""
+    if jax.distributed.is_initialized():
+        return _info("already")
+    args = (coordinator_address, num_processes, process_id)
+    if any(a is not None for a in args):
+        if any(a is None for a in args):
+            raise DistributedError("initialize(): pass all of coordinator_address, num_processes and "
+                                   f"process_id (got {coordinator_address!r}, {num_processes!r}, {process_id!r})")
+        found = {"source": "args", "coordinator_address": coordinator_address,
+                 "num_processes": int(num_processes), "process_id": int(process_id)}
+    else:
+        found = detect(env)
+    if found["source"] == "single":
+        return _info("single")
+    n, pid = found["num_processes"], found["process_id"]
+    if n is not None and pid is not None and not 0 <= pid < n:
+        raise DistributedError(f"process id {pid} is outside 0..{n - 1} ({found['source']})")
+    if found["source"] in ("args", "env") and ":" not in str(found["coordinator_address"]):
+        raise DistributedError(f"coordinator address {found['coordinator_address']!r} must be host:port")
+    if jax.config.jax_cpu_collectives_implementation in (None, "", "none"):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
+    jax.distributed.initialize(coordinator_address=found["coordinator_address"],
+                               num_processes=found["num_processes"], process_id=found["process_id"],
+                               local_device_ids=local_device_ids, initialization_timeout=timeout_s)
+    return _info(found["source"])
+
+
+def _info(source: str) -> dict:
+    return {"source": source, "process_id": jax.process_index(), "num_processes": jax.process_count(),
+            "local_devices": jax.local_device_count(), "global_devices": jax.device_count()}
+
+
+def shutdown() -> None:
+    if jax.distributed.is_initialized():
+        jax.distributed.shutdown()
+
+
+def global_batch(local_rows, mesh, rules=None):
+    """This process's rows of a batch -> one global jax.Array split over the batch axes.
+
+    Each process passes the rows its own devices will hold (B_global / num_processes of them, in
+    process order); single-process this is just `sharding.shard_batch`."""
+    local_rows = np.asarray(local_rows)
+    return jax.make_array_from_process_local_data(batch_sharding(mesh, rules, local_rows.ndim), local_rows)
+
+
+def gather(x) -> np.ndarray:
+    """A (possibly multi-process) global array as one numpy array on every process."""
+    if jax.process_count() == 1:
+        return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))

@@ -1,0 +1,236 @@
+"""The planner: memory per device, FLOPs per token and MFU, from a config, a mesh and a batch shape.
+
+Memory per device, by part (GB = 1e9 bytes, as accelerator vendors count):
+  * weights     every parameter of `param_table`, in `dtype`, divided as the rules table splits it over
+                the mesh (exactly the shardings `amdllm.parallel.sharding` gives; norms stay replicated).
+  * lora        rank-r factors A [L, in, r], B [L, r, out] per target, float32 (trainable copies are
+                kept in float32 whatever the base dtype), split by the same rules.
+  * optimizer   optax AdamW keeps two moments (mu, nu) per trainable parameter in its dtype: 8 bytes
+                per float32 LoRA parameter. Full fine-tuning with bf16 weights also keeps a float32
+                master copy: 12 bytes per parameter. SGD without momentum (Felafax's 405B run) keeps 0.
+  * gradients   one per trainable parameter, in its dtype (LoRA: the factors only; the frozen base
+                gets no weight gradients).
+  * activations what the backward pass needs, per token on this device (batch is split over the
+                rules' batch axes, heads/MLP over tensor). With b = bytes of the compute dtype,
+                S = sequence length, H = heads, q = H*hd, kv = Hkv*hd, F = MLP width, per layer:
+                    b * (4D + 3q + 3kv + 3F)  +  8H
+                (x, two norm outputs, residual; q, k, v and roped q, k, attention output; gate, up
+                and silu(gate)*up (`model.swiglu` recomputes the sigmoid); each attention row's float32
+                max and normaliser: `attention.causal_attention` recomputes the probabilities in the
+                backward instead of keeping H*S of them per token), times L layers. With remat
+                (jax.checkpoint per layer) only each layer's input b*D is kept, plus one layer
+                recomputed at a time. The head adds float32 logits and log-probabilities: 8V.
+                Inference (no gradient) holds one layer at a time: float32 scores 4*H*S, the layer's
+                input and projections b*(D + q + 2kv + F), and float32 logits 4V.
+Not modelled: XLA temporaries beyond these (all-gathered FSDP weights in flight, fusion buffers),
+allocator fragmentation, and eager-mode copies. `tests/test_plan.py` compares the activation and
+total figures with XLA's own `memory_analysis()` and states the tolerance.
+
+FLOPs per token (N = parameters inside matmuls, lm_head included, the embedding lookup not; the
+attention term counts the full S x S score matrix, as the einsum computes it):
+    forward    2N + 4 L S q
+    full train 6N + 12 L S q           (forward + activation gradients + weight gradients)
+    LoRA train 4N + 12 L S q + 6 L r sum(in+out)   (no weight gradients for frozen matrices)
+The widely quoted "6N" (N = all parameters) over-counts LoRA training by about half; both are given.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+
+from amdllm.model import param_table
+from amdllm.model.lora import normalize_targets
+from amdllm.parallel import sharding as S
+
+GB = 1e9
+# Peak dense bf16 FLOP/s per JAX device (vendor data sheets, no sparsity). MI250X: 383 per package;
+# JAX sees each of its two dies as a device (191.5 each, 64 GB). TPU v4: per chip (megacore).
+PEAK_BF16_TFLOPS = {"mi300x": 1307.4, "mi325x": 1307.4, "mi250x": 383.0, "h100": 989.4, "h200": 989.4,
+                    "a100": 312.0, "tpu-v4": 275.0, "tpu-v5e": 197.0, "tpu-v5p": 459.0, "tpu-v6e": 918.0}
+DEVICE_MEMORY_GB = {"mi300x": 192, "mi325x": 256, "mi250x": 128, "h100": 80, "h200": 141, "a100": 80,
+                    "tpu-v4": 32, "tpu-v5e": 16, "tpu-v5p": 95, "tpu-v6e": 32}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+
+
+def _bytes(dtype) -> int:
+    name = str(getattr(dtype, "name", dtype)).lower()
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[name]
+
+
+def _local(shape, axes, sizes, rules) -> int:
+    """Elements of an array of `shape` with logical `axes` held by one device."""
+    spec = S.logical_to_spec(axes, rules, shape=shape, mesh=sizes, strict=False, name="planned")
+    n = math.prod(shape)
+    for s in spec:
+        for a in (() if s is None else ((s,) if isinstance(s, str) else s)):
+            n //= sizes[a]
+    return n
+
+
+def lora_shapes(cfg, rank: int, targets) -> dict:
+    """name -> (shape, logical axes) of every LoRA factor (matches `amdllm.model.lora.apply_lora`)."""
+    table, out = param_table(cfg), {}
+    for name in normalize_targets(targets):
+        (L, d_in, d_out), (la, ia, oa) = table["layers/" + name]
+        out[f"layers/{name}_lora_a"] = ((L, d_in, rank), (la, ia, "lora_rank"))
+        out[f"layers/{name}_lora_b"] = ((L, rank, d_out), (la, "lora_rank", oa))
+    return out
+
+
+def matmul_params(cfg) -> int:
+    """N: parameters that take part in a matmul per token (all but the embedding lookup and norms)."""
+    L, D, F = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size
+    return L * (2 * D * cfg.q_dim + 2 * D * cfg.kv_dim + 3 * D * F) + D * cfg.vocab_size
+
+
+def flops_per_token(cfg, seq_len: int, lora_rank: int = 0, lora_targets=("q", "k", "v", "o")) -> dict:
+    """FLOPs per trained/predicted token: forward, full training, LoRA training, and the seed's 6N."""
+    n, L, q = matmul_params(cfg), cfg.num_hidden_layers, cfg.q_dim
+    attn = 4 * L * seq_len * q  # QK^T and PV: 2 FLOPs x S x q each, per token per layer
+    lora = 0
+    if lora_rank:
+        # x@A, (xA)@B forward (2r(in+out)), their activation and weight gradients (2x that)
+        lora = sum(6 * lora_rank * shape[1 if k.endswith("_a") else 2]
+                   for k, (shape, _) in lora_shapes(cfg, lora_rank, lora_targets).items()) * L
+    return {"forward": 2 * n + attn, "full_train": 6 * n + 3 * attn, "lora_train": 4 * n + 3 * attn + lora,
+            "six_n": 6 * cfg.num_params(), "matmul_params": n}
+
+
+def mfu(tokens_per_s: float, flops_per_tok: float, n_devices: int, peak_flops_per_device: float) -> float:
+    """Model FLOPs utilisation: achieved model FLOP/s over the devices' summed peak."""
+    return tokens_per_s * flops_per_tok / (n_devices * peak_flops_per_device)
+
+
+@functools.lru_cache(maxsize=None)
+def measure_cpu_flops(n: int = 1024, repeats: int = 5) -> float:
+    """float32 matmul FLOP/s of this machine's CPU (best of `repeats` n^3 jnp.dot), cached per process."""
+    cpu = jax.devices("cpu")[0]
+    a = jax.device_put(jnp.ones((n, n), jnp.float32), cpu)
+    f = jax.jit(jnp.dot)
+    f(a, a).block_until_ready()  # compile
+    best = math.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best
+
+
+def peak_flops(accelerator: str) -> float:
+    """Peak FLOP/s of one device: the table above, or "cpu" for a measured float32 figure."""
+    key = accelerator.lower()
+    if key == "cpu":
+        return measure_cpu_flops()
+    if key not in PEAK_BF16_TFLOPS:
+        raise ValueError(f"unknown accelerator {accelerator!r}; known: cpu, {', '.join(PEAK_BF16_TFLOPS)}")
+    return PEAK_BF16_TFLOPS[key] * 1e12
+
+
+def activation_bytes(cfg, *, batch_per_device: float, seq_len: int, tensor: int = 1, dtype="bfloat16",
+                     remat: bool = False, training: bool = True) -> int:
+    """Activation memory on one device (formula in the module docstring)."""
+    b, D, F, L = _bytes(dtype), cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    q, kv, H, V = cfg.q_dim / tensor, cfg.kv_dim / tensor, cfg.num_attention_heads / tensor, cfg.vocab_size
+    tokens = batch_per_device * seq_len
+    layer = b * (4 * D + 3 * q + 3 * kv + 3 * F) + 8 * H  # per token
+    head = 8 * V / tensor  # float32 logits + log-softmax
+    if not training:  # one layer live at a time, nothing kept for a backward pass
+        return int(tokens * (4 * H * seq_len + b * (D + q + 2 * kv + F) + 4 * V / tensor))
+    kept = L * b * D + layer if remat else L * layer
+    return int(tokens * (kept + head))
+
+
+def plan(cfg, *, devices: int, device_memory_gb: float, mesh: str | dict | None = None, rules=None,
+         lora_rank: int = 0, lora_targets=("q", "k", "v", "o"), full_finetune: bool = False,
+         batch_size: int = 1, seq_len: int = 2048, dtype="bfloat16", optimizer: str = "adamw",
+         accelerator: str | None = None, tokens_per_s: float | None = None) -> dict:
+    """Memory per device by part, whether it fits, FLOPs per token and (given tokens/s) MFU."""
+    sizes = S.parse_mesh_spec(mesh, devices)
+    S.check_model_fits_mesh(cfg, sizes, rules)
+    table = S.get_rules(rules)
+    wb = _bytes(dtype)
+    weights = sum(_local(shape, axes, sizes, rules) * wb for shape, axes in _param_items(cfg))
+    lora_n = lora_total = 0
+    if lora_rank:
+        items = lora_shapes(cfg, lora_rank, lora_targets).values()
+        lora_n = sum(_local(shape, axes, sizes, rules) for shape, axes in items)
+        lora_total = sum(math.prod(shape) for shape, _ in items)
+    if optimizer not in ("adamw", "sgd"):
+        raise ValueError(f"unknown optimizer {optimizer!r}; the planner knows adamw and sgd")
+    training = bool(lora_rank) or full_finetune
+    if full_finetune:  # all weights trainable; bf16 weights get a float32 master copy
+        trainable_local = weights // wb
+        master = 4 * trainable_local if wb < 4 else 0
+        opt = (8 * trainable_local if optimizer == "adamw" else 0) + master
+        grads = wb * trainable_local
+    else:
+        opt = 8 * lora_n if optimizer == "adamw" else 0
+        grads = 4 * lora_n
+    batch_ways = math.prod(sizes[a] for a in table["batch"])
+    bpd = math.ceil(batch_size / batch_ways)  # a batch smaller than the shards still costs one row each
+    tensor = math.prod(sizes[a] for a in table.get("heads", ()))
+    act = {r: activation_bytes(cfg, batch_per_device=bpd, seq_len=seq_len, tensor=tensor, dtype=dtype,
+                               remat=r, training=training) for r in (False, True)}
+    parts = {"weights": weights, "lora": 4 * lora_n, "optimizer": opt, "gradients": grads if training else 0,
+             "activations": act[False], "activations_remat": act[True]}
+    static = weights + parts["lora"] + opt + parts["gradients"]
+    cap = device_memory_gb * GB
+    fl = flops_per_token(cfg, seq_len, lora_rank, lora_targets)
+    out = {
+        "params": cfg.num_params(), "devices": devices, "mesh": sizes, "rules": rules or S.DEFAULT_RULES,
+        "dtype": str(dtype), "batch_size": batch_size, "seq_len": seq_len, "batch_per_device": bpd,
+        "mode": "full_finetune" if full_finetune else ("lora" if lora_rank else "inference"),
+        "optimizer": (f"{optimizer} (mu, nu float32" + (", float32 master weights)" if full_finetune and wb < 4
+                                                         else ")")) if training and optimizer == "adamw"
+        else (optimizer if training else None),
+        "lora_rank": lora_rank, "lora_targets": list(lora_targets) if lora_rank else [],
+        "lora_params": lora_total, "lora_bytes_total": 4 * lora_total,
+        "weights_bytes_total": cfg.num_params() * wb,
+        "per_device_bytes": parts, "per_device_gb": {k: v / GB for k, v in parts.items()},
+        "total_bytes": static + act[False], "total_bytes_remat": static + act[True],
+        "device_memory_gb": device_memory_gb,
+        "fits": static + act[False] <= cap, "fits_remat": static + act[True] <= cap,
+        "flops_per_token": fl,
+    }
+    out["total_gb"], out["total_gb_remat"] = out["total_bytes"] / GB, out["total_bytes_remat"] / GB
+    if tokens_per_s is not None and accelerator:
+        pk = peak_flops(accelerator)
+        key = "lora_train" if lora_rank else ("full_train" if full_finetune else "forward")
+        out["mfu"] = {"accelerator": accelerator, "tokens_per_s": tokens_per_s, "peak_flops": pk,
+                      key: mfu(tokens_per_s, fl[key], devices, pk),
+                      "six_n": mfu(tokens_per_s, fl["six_n"], devices, pk)}
+    return out
+
+
+def _param_items(cfg):
+    return param_table(cfg).values()
+
+
+def format_plan(p: dict) -> str:
+    g = p["per_device_gb"]
+    mesh = ",".join(f"{a}={n}" for a, n in p["mesh"].items() if n > 1) or "single device"
+    lines = [f"{p['params'] / 1e9:.2f}B parameters ({p['weights_bytes_total'] / GB:.1f} GB in {p['dtype']}), "
+             f"{p['mode']}, mesh {mesh}, rules {p['rules']}, batch {p['batch_size']} x {p['seq_len']} tokens",
+             f"per device ({p['device_memory_gb']:g} GB):"]
+    for k in ("weights", "lora", "optimizer", "gradients", "activations", "activations_remat"):
+        lines.append(f"  {k:<18} {g[k]:10.3f} GB")
+    lines.append(f"  {'total':<18} {p['total_gb']:10.3f} GB  -> {'fits' if p['fits'] else 'does NOT fit'}")
+    lines.append(f"  {'total with remat':<18} {p['total_gb_remat']:10.3f} GB  -> "
+                 f"{'fits' if p['fits_remat'] else 'does NOT fit'}")
+    if p["optimizer"]:
+        lines.append(f"optimizer: {p['optimizer']}")
+    f = p["flops_per_token"]
+    lines.append(f"FLOPs/token: forward {f['forward']:.3e}, LoRA train {f['lora_train']:.3e}, "
+                 f"full train {f['full_train']:.3e}, 6N {f['six_n']:.3e}")
+    if "mfu" in p:
+        m = p["mfu"]
+        honest = next(k for k in m if k in ("lora_train", "full_train", "forward"))
+        lines.append(f"MFU at {m['tokens_per_s']:g} tokens/s on {p['devices']}x {m['accelerator']}: "
+                     f"{100 * m[honest]:.3f}% ({honest} FLOPs), {100 * m['six_n']:.3f}% (6N)")
+    return "\n".join(lines)

@@ -1,0 +1,411 @@
+"""GPTQ in JAX: the quantizer grid, the solver, RTN, and the `amdllm quantize` command.
+
+The solver follows the reference implementation (IST-DASLab `gptq.py::fasterquant`, see
+lesson 04 walks through it) line for line, with weights in the reference's [out N, in K] orientation:
+dead columns, relative dampening (raised by 0.01 with a warning while Cholesky fails), the upper
+Cholesky factor of H^-1, blocks of 128 columns with a rank-1 update inside the block and one GEMM
+("lazy batch update") per block, groups, act-order (`desc_act`) with `g_idx`, static groups.
+
+One deliberate difference: with groups smaller than the block (G=32/64) the reference computes a
+group's scale from `W`, which does not yet hold the current block's updates (its "quirk a"); we use
+the updated columns, i.e. the algorithm as the paper states it. For G a multiple of 128 (and G=-1)
+both are identical -- tests/test_gptq.py checks both cases against a NumPy transcription.
+
+Scales are rounded to fp16 *when chosen* (`scale_dtype`), so the error feedback sees exactly the
+weights the checkpoint will hold. (It also makes results reproducible: with fp32 scales a symmetric
+row's extreme weight sits exactly on a .5 rounding tie, and XLA:CPU's vectorised division is not
+correctly rounded, so one ulp decides the code and the error feedback spreads the flip.)
+
+Where it runs: the upper Cholesky factor of H^-1 on the host when JAX runs on the CPU (LAPACK in
+float32, the reference's torch sequence, on ONE OpenBLAS thread: see `_one_blas_thread`), by XLA on
+the device otherwise (retried with more dampening either way: `hessian_inverse`); everything else in
+ONE compiled function per weight shape and settings (`_gptq_core`: lax.scan over
+blocks, fori_loop over a block's columns), so a model's layers of identical shapes compile once and
+each linear costs one dispatch.
+
+Packing and the quantized matmul live in `amdllm.model.quantized`, checkpoint I/O in
+`amdllm.io.gptq_format`, calibration through the model in `amdllm.quant.calibrate`; `amdllm.quant`
+re-exports the public names of all of them.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import warnings
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from scipy.linalg import lapack
+
+from amdllm.model.quantized import pack_cols, pack_rows
+
+SOLVER_BITS = (2, 3, 4, 8)
+GROUP_SIZES = (-1, 16, 32, 64, 128, 256, 512, 1024)  # GPTQModel's allowed values
+
+
+class GPTQError(ValueError):
+    """Bad quantization settings or calibration data."""
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    bits: int = 4
+    group_size: int = 128
+    sym: bool = True
+    act_order: bool = False      # desc_act
+    static_groups: bool = False
+    percdamp: float = 0.01
+    blocksize: int = 128
+    true_sequential: bool = True
+
+    def __post_init__(self):
+        if self.bits not in SOLVER_BITS:
+            raise GPTQError(f"bits={self.bits} is not supported; expected one of {SOLVER_BITS}")
+        if self.group_size not in GROUP_SIZES:
+            raise GPTQError(f"group_size={self.group_size} is not supported; expected one of {GROUP_SIZES}")
+        if not 0 < self.percdamp < 1:
+            raise GPTQError(f"percdamp={self.percdamp} must be in (0, 1)")
+
+    @property
+    def maxq(self) -> int:
+        return 2 ** self.bits - 1
+
+    def groups(self, K: int, where: str = "weight") -> int:
+        """Group length for K input features (G=-1 -> K), checked to divide K."""
+        if self.group_size == -1:
+            return K
+        if K % self.group_size:
+            raise GPTQError(f"{where}: group_size {self.group_size} does not divide in_features {K}")
+        return self.group_size
+
+
+def in_features(cfg) -> list[int]:
+    """The distinct input sizes of a Llama layer's projections (hidden for q/k/v/gate/up, the attention
+    width for o, the MLP width for down): a group size must divide each of them."""
+    return sorted({cfg.hidden_size, cfg.q_dim, cfg.intermediate_size})
+
+
+def fit_group_size(cfg, group_size: int) -> tuple[int, str | None]:
+    """(group size to use, note): `group_size` itself when it divides every projection's in_features,
+    else the largest size GPTQModel allows (GROUP_SIZES) that divides them all, else -1 (one group per
+    output row). The note says what changed and why; None when nothing did."""
+    ks = in_features(cfg)
+    if group_size == -1 or all(k % group_size == 0 for k in ks):
+        return group_size, None
+    fits = [g for g in GROUP_SIZES if g != -1 and g <= group_size and all(k % g == 0 for k in ks)]
+    chosen = max(fits) if fits else -1
+    how = f"{chosen}, the largest allowed size that divides them all" if fits else "-1 (one group per output row)"
+    return chosen, (f"group_size {group_size} does not divide the projections' in_features {ks}; "
+                    f"using {how}")
+
+
+@dataclass
+class QuantResult:
+    """One linear, reference orientation: Q and codes [N, K]; scales/zeros [n_g, N]; g_idx [K]."""
+    Q: np.ndarray
+    codes: np.ndarray
+    scales: np.ndarray
+    zeros: np.ndarray
+    g_idx: np.ndarray
+    damp: float = 0.0
+
+    def packed(self, bits: int) -> dict:
+        """The dict a QuantLinear holds (per layer; v2 zeros), kernels [in, out]."""
+        return {"qweight": pack_rows(self.codes.T, bits), "qzeros": pack_cols(self.zeros, bits),
+                "scales": self.scales.astype(np.float16), "g_idx": self.g_idx.astype(np.int32)}
+
+
+# --------------------------------------------------------------------------------------------------
+# The grid (anchors 1.4): unsigned codes 0..maxq in both modes, zero = 2^(b-1) when symmetric
+# --------------------------------------------------------------------------------------------------
+def find_params(x, maxq: int, sym: bool, scale_dtype=jnp.float16):
+    """x [N, n] -> per-row (scale [N], zero [N]) float32 over the row's range (which always holds 0)."""
+    xmin = jnp.minimum(x.min(axis=1), 0.0)
+    xmax = jnp.maximum(x.max(axis=1), 0.0)
+    if sym:
+        xmax = jnp.maximum(jnp.abs(xmin), xmax)
+        xmin = jnp.where(xmin < 0, -xmax, xmin)  # reference: a row without negatives keeps xmin = 0
+    both0 = (xmin == 0) & (xmax == 0)
+    xmin, xmax = jnp.where(both0, -1.0, xmin), jnp.where(both0, 1.0, xmax)
+    scale = (xmax - xmin) / maxq
+    if jnp.dtype(scale_dtype) != jnp.float32:  # the stored scale; floor at fp16's smallest normal
+        scale = jnp.maximum(scale, 6.2e-5).astype(scale_dtype).astype(jnp.float32)
+    zero = jnp.full_like(scale, (maxq + 1) // 2) if sym else jnp.round(-xmin / scale)
+    return scale, zero
+
+
+def quantize_codes(w, scale, zero, maxq: int):
+    return jnp.clip(jnp.round(w / scale) + zero, 0, maxq)
+
+
+def fake_quant(w, scale, zero, maxq: int):
+    return scale * (quantize_codes(w, scale, zero, maxq) - zero)
+
+
+# --------------------------------------------------------------------------------------------------
+# RTN: the same grid, no error feedback
+# --------------------------------------------------------------------------------------------------
+@partial(jax.jit, static_argnames=("maxq", "sym", "G", "scale_dtype"))
+def _rtn_core(W, *, maxq, sym, G, scale_dtype):
+    N, K = W.shape
+    Wg = W.reshape(N, K // G, G).transpose(1, 0, 2)                     # [n_g, N, G]
+    s, z = jax.vmap(lambda w: find_params(w, maxq, sym, scale_dtype))(Wg)  # [n_g, N]
+    g_idx = jnp.arange(K) // G
+    codes = quantize_codes(W, s[g_idx].T, z[g_idx].T, maxq)
+    return s[g_idx].T * (codes - z[g_idx].T), codes, s, z
+
+
+def rtn_quantize(W, spec: QuantSpec, scale_dtype=jnp.float16) -> QuantResult:
+    """W [N, K] -> QuantResult with groups of consecutive input columns."""
+    W = jnp.asarray(W, jnp.float32)
+    G = spec.groups(W.shape[1])
+    Q, codes, s, z = _rtn_core(W, maxq=spec.maxq, sym=spec.sym, G=G, scale_dtype=jnp.dtype(scale_dtype).name)
+    return QuantResult(np.asarray(Q), np.asarray(codes, np.int32), np.asarray(s), np.asarray(z, np.int32),
+                       (np.arange(W.shape[1]) // G).astype(np.int32))
+
+
+# --------------------------------------------------------------------------------------------------
+# GPTQ
+# --------------------------------------------------------------------------------------------------
+def _solve_block(W1, U1, col_s, col_z, s, z, *, maxq, sym, gdyn, scale_dtype):
+    """One block of b columns. W1 [N,b]; U1 [b,b] upper; col_s/col_z [N,b] preset params (unused
+    where gdyn>0: then params are recomputed from the *updated* W1 at every gdyn-th column)."""
+    N, b = W1.shape
+
+    def body(i, c):
+        W1, Q1, C1, E1, S1, Z1, s, z = c
+        w = jax.lax.dynamic_index_in_dim(W1, i, axis=1, keepdims=False)       # [N]
+        if gdyn:
+            s, z = jax.lax.cond(i % gdyn == 0,
+                                lambda: find_params(jax.lax.dynamic_slice_in_dim(W1, i, gdyn, axis=1),
+                                                    maxq, sym, scale_dtype),
+                                lambda: (s, z))
+        else:
+            s = jax.lax.dynamic_index_in_dim(col_s, i, axis=1, keepdims=False)
+            z = jax.lax.dynamic_index_in_dim(col_z, i, axis=1, keepdims=False)
+        code = quantize_codes(w, s, z, maxq)
+        q = s * (code - z)
+        e = (w - q) / U1[i, i]                                                # [N]
+        W1 = W1 - e[:, None] * U1[i][None, :]  # U1 is upper triangular: columns < i are untouched
+        upd = lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, i, axis=1)  # noqa: E731
+        return W1, upd(Q1, q), upd(C1, code), upd(E1, e), upd(S1, s), upd(Z1, z), s, z
+
+    zeros = jnp.zeros_like(W1)
+    _, Q1, C1, E1, S1, Z1, s, z = jax.lax.fori_loop(0, b, body, (W1, zeros, zeros, zeros, zeros, zeros, s, z))
+    return Q1, C1, E1, S1, Z1, s, z
+
+
+@contextlib.contextmanager
+def _one_blas_thread():
+    """Run the host factorisation on one OpenBLAS thread (numpy's and scipy's bundled copies; the
+    same symbols threadpoolctl uses, which .venv does not have). With the default thread count each
+    call left OpenBLAS threads spinning that took the cores from XLA: `quantize_model` on the course
+    model took 2.4x the CPU time (46.7 vs 19.6 CPU-s). One thread also makes the factor independent
+    of the machine's core count (OpenBLAS's blocking changes the float32 rounding)."""
+    found = []
+    for path in sorted({ln.split()[-1] for ln in open("/proc/self/maps") if "openblas" in ln.lower()}
+                       if os.path.exists("/proc/self/maps") else ()):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for pre, suf in (("", ""), ("", "64_"), ("scipy_", ""), ("scipy_", "64_")):
+            get, set_ = (getattr(lib, f"{pre}openblas_{f}_num_threads{suf}", None) for f in ("get", "set"))
+            if get is not None and set_ is not None:
+                found.append((set_, get()))
+                set_(1)
+    try:
+        yield
+    finally:
+        for set_, n in found:
+            set_(n)
+
+
+def _chol_inv_upper(H, damp):
+    """Upper U with U^T U = (H + damp I)^-1, or None if H + damp I is not positive definite:
+    LAPACK potrf -> potri -> potrf(upper) in float32 on the host, the reference's torch sequence
+    (cholesky -> cholesky_inverse -> cholesky(upper)). Not in XLA: its triangular solves took longer
+    to compile (per shape) than the whole factorisation takes here, and a failure is an info code."""
+    Hd = np.array(H, np.float32, copy=True)
+    Hd[np.diag_indices_from(Hd)] += np.float32(damp)
+    L, info = lapack.spotrf(Hd, lower=1)
+    if info != 0:
+        return None
+    Hinv, info = lapack.spotri(L, lower=1)                 # lower triangle of (L L^T)^-1
+    if info != 0:
+        return None
+    Hinv = np.tril(Hinv) + np.tril(Hinv, -1).T
+    U, info = lapack.spotrf(Hinv, lower=0)                 # upper, other triangle zeroed
+    return U if info == 0 and np.all(np.isfinite(U)) else None
+
+
+@jax.jit
+def _chol_inv_upper_device(H, damp):
+    """The same factor computed by XLA on the accelerator, and whether it is finite. On a GPU the
+    host path would move H ([K, K], 0.76 GB for Llama 13B's down_proj) to the CPU and factor it there
+    on one thread; the device's solver is far faster at those sizes."""
+    K = H.shape[0]
+    eye = jnp.eye(K, dtype=jnp.float32)
+    L = jnp.linalg.cholesky(H + damp * eye)
+    Hinv = jax.scipy.linalg.cho_solve((L, True), eye)
+    U = jnp.linalg.cholesky((Hinv + Hinv.T) / 2).T                 # upper: U^T U = Hinv
+    return U, jnp.all(jnp.isfinite(U))
+
+
+def hessian_inverse(H, percdamp: float, where: str = "layer", on_host: bool | None = None):
+    """(U, damp fraction used). Raises dampening by 0.01 while the factorisation fails (GPTQModel).
+    on_host: LAPACK on the host CPU (the default when JAX runs on the CPU), else XLA on the device."""
+    on_host = jax.default_backend() == "cpu" if on_host is None else on_host
+    H = np.asarray(H, np.float32) if on_host else jnp.asarray(H, jnp.float32)
+    mean_diag = float(np.mean(np.diag(H))) if on_host else float(jnp.mean(jnp.diag(H)))
+    p = percdamp
+    while p < 1.0:
+        if on_host:
+            with _one_blas_thread():
+                U = _chol_inv_upper(H, p * mean_diag)
+        else:
+            U, ok = _chol_inv_upper_device(H, jnp.float32(p * mean_diag))
+            U = U if bool(ok) else None
+        if U is not None:
+            if p != percdamp:
+                warnings.warn(f"{where}: Cholesky failed at percdamp={percdamp}; used {p:.2f}", stacklevel=3)
+            return (jax.device_put(U) if on_host else U), p
+        p = round(p + 0.01, 6)
+    raise GPTQError(f"{where}: the Hessian is not positive definite even with percdamp < 1 "
+                    "(too few or degenerate calibration tokens?)")
+
+
+@partial(jax.jit, static_argnames=("maxq", "sym", "G", "B", "static_groups", "scale_dtype"))
+def _gptq_core(W, U, dead, perm, *, maxq, sym, G, B, static_groups, scale_dtype):
+    """The whole solve as ONE compiled function per (shape, settings): a Python loop over blocks
+    here would cost an eager dispatch (and a compile per shape) for every slice and update.
+    W [N, K] original order; U [K, K] for the permuted columns; dead [K] bool; perm [K] (identity
+    without act-order). Returns Q, codes, per-column scale/zero, all [N, K] in the original order."""
+    N, K = W.shape
+    fp = partial(find_params, maxq=maxq, sym=sym, scale_dtype=scale_dtype)
+    W = jnp.where(dead[None, :], 0.0, W)
+    # preset grids, from the ORIGINAL column order before any update: per row over all K (G=-1), or
+    # static groups; otherwise computed during the solve from the updated weights (see `block`)
+    if G == -1:
+        s0, z0 = fp(W)
+        col_s, col_z = jnp.broadcast_to(s0[:, None], (N, K)), jnp.broadcast_to(z0[:, None], (N, K))
+    elif static_groups:
+        ss, zz = jax.vmap(fp)(W.reshape(N, K // G, G).transpose(1, 0, 2))     # [n_g, N]
+        col_s, col_z = ss[jnp.arange(K) // G].T, zz[jnp.arange(K) // G].T
+    else:
+        col_s = col_z = jnp.ones((N, K), jnp.float32)
+    mode = "preset" if G == -1 or static_groups else ("group" if G % B == 0 else "dyn")
+    W, col_s, col_z = W[:, perm], col_s[:, perm], col_z[:, perm]
+    # pad to whole blocks: zero weights on an identity corner quantize to 0 and feed back nothing
+    Kp = -(-K // B) * B
+    if Kp != K:
+        W = jnp.pad(W, ((0, 0), (0, Kp - K)))
+        U = jnp.pad(U, ((0, Kp - K), (0, Kp - K))) + jnp.diag(jnp.arange(Kp) >= K).astype(U.dtype)
+        col_s, col_z = (jnp.pad(a, ((0, 0), (0, Kp - K)), constant_values=1.0) for a in (col_s, col_z))
+    gdyn = G if mode == "dyn" else 0
+    cols = jnp.arange(Kp)
+
+    def block(carry, i1):
+        W, s, z = carry
+        W1 = jax.lax.dynamic_slice_in_dim(W, i1, B, axis=1)
+        U1 = jax.lax.dynamic_slice(U, (i1, i1), (B, B))
+        cs = jax.lax.dynamic_slice_in_dim(col_s, i1, B, axis=1)
+        cz = jax.lax.dynamic_slice_in_dim(col_z, i1, B, axis=1)
+        if mode == "group":  # groups start at block starts: params from W, which is exact there
+            s, z = jax.lax.cond(i1 % G == 0, lambda: fp(jax.lax.dynamic_slice_in_dim(W, i1, G, axis=1)),
+                                lambda: (s, z))
+            cs, cz = jnp.broadcast_to(s[:, None], (N, B)), jnp.broadcast_to(z[:, None], (N, B))
+        Q1, C1, E1, S1, Z1, s, z = _solve_block(W1, U1, cs, cz, s, z, maxq=maxq, sym=sym, gdyn=gdyn,
+                                                scale_dtype=scale_dtype)
+        # lazy batch update of the columns right of the block: one [N,B] @ [B,Kp] GEMM (the full
+        # width keeps shapes static; U's rows are zero left of the block, the mask drops the block)
+        upd = E1 @ jax.lax.dynamic_slice_in_dim(U, i1, B, axis=0)
+        W = W - jnp.where(cols[None, :] >= i1 + B, upd, 0.0)
+        return (W, s, z), (Q1, C1, S1, Z1)
+
+    ones = jnp.ones((N,), jnp.float32)
+    _, outs = jax.lax.scan(block, (W, ones, ones), jnp.arange(0, Kp, B))
+    inv = jnp.argsort(perm)
+    Q, C, S, Z = (o.transpose(1, 0, 2).reshape(N, Kp)[:, :K][:, inv] for o in outs)  # original order
+    return Q, C, S, Z
+
+
+def core_kwargs(spec: QuantSpec, scale_dtype=jnp.float16) -> dict:
+    """The static settings `_gptq_core` is compiled for (also used to compile it ahead, gptq_calib)."""
+    return dict(maxq=spec.maxq, sym=spec.sym, G=spec.group_size, B=spec.blocksize,
+                static_groups=spec.static_groups and spec.group_size != -1, scale_dtype=jnp.dtype(scale_dtype).name)
+
+
+@jax.jit
+def _mend_dead(H):
+    """(H with a dead column's zero diagonal set to 1, H's diagonal): one compiled call, not 3 eager ops."""
+    diag = jnp.diag(H)
+    return H + jnp.diag((diag == 0).astype(H.dtype)), diag
+
+
+def gptq_quantize(W, H, spec: QuantSpec, scale_dtype=jnp.float16, where: str = "layer") -> QuantResult:
+    """W [N, K] float32, H [K, K] (any positive scale) -> QuantResult. The reference loop (module doc)."""
+    W = jnp.asarray(W, jnp.float32)
+    H = jnp.asarray(H, jnp.float32)
+    N, K = W.shape
+    if H.shape != (K, K):
+        raise GPTQError(f"{where}: Hessian shape {H.shape} does not match in_features {K}")
+    G = spec.groups(K, where)
+    if spec.group_size != -1 and G % spec.blocksize and spec.blocksize % G:
+        raise GPTQError(f"{where}: group_size {G} and blocksize {spec.blocksize} must divide one another")
+    kw = core_kwargs(spec, scale_dtype)
+    H, diag = _mend_dead(H)      # only the diagonal decides dead columns and the order (act-order)
+    diag = np.asarray(diag)
+    dead = diag == 0
+    perm = np.argsort(-np.where(dead, 1.0, diag), kind="stable") if spec.act_order else np.arange(K)
+    if spec.act_order:  # without act-order perm is the identity: no [K, K] gathers
+        H = H[perm][:, perm]
+    U, p = hessian_inverse(H, spec.percdamp, where)  # H moves to the host only to be factored there
+    # device_put, not jnp.asarray: the latter compiles a small "stage" program per shape and dtype
+    Q, C, S, Z = (np.asarray(a) for a in _gptq_core(W, U, jax.device_put(dead), jax.device_put(perm), **kw))
+    inv = np.argsort(perm)
+    if spec.act_order and not kw["static_groups"]:
+        g_idx = (inv // G).astype(np.int32)  # g_idx[k] = (position of column k in perm) // G
+    else:
+        g_idx = (np.arange(K) // G).astype(np.int32)
+    ng = K // G
+    scales, zeros = np.zeros((ng, N), np.float32), np.zeros((ng, N), np.int32)
+    scales[g_idx], zeros[g_idx] = S.T, Z.T.astype(np.int32)  # every column of a group agrees
+    return QuantResult(Q, C.astype(np.int32), scales, zeros, g_idx, p)
+
+
+@jax.jit
+def _recon_err(W, Q, H):
+    d = W - Q
+    return jnp.sum((d @ H) * d)
+
+
+def reconstruction_error(W, Q, H) -> float:
+    """||W X - Q X||^2 per token, from H = (1/n) sum x x^T (the raw second moment): tr(dW H dW^T)."""
+    return float(_recon_err(*(jnp.asarray(a, jnp.float32) for a in (W, Q, H))))
+
+
+@partial(jax.jit, static_argnames=("maxq", "sym", "G", "scale_dtype"))
+def _errors_vs_rtn(W, Q, H, h_scale, *, maxq, sym, G, scale_dtype):
+    H = H * h_scale
+    return _recon_err(W, Q, H), _recon_err(W, _rtn_core(W, maxq=maxq, sym=sym, G=G, scale_dtype=scale_dtype)[0], H)
+
+
+def errors_vs_rtn(W, Q, H, spec: QuantSpec, scale_dtype=jnp.float16, h_scale: float = 1.0
+                  ) -> tuple[float, float]:
+    """(reconstruction_error of Q, that of RTN on the same grid) for the second moment h_scale * H, in
+    one compiled call: calibration reports this for every linear, and as separate eager ops it cost a
+    third of the whole run."""
+    W, Q, H = (jax.device_put(np.asarray(a, np.float32)) if isinstance(a, np.ndarray) else
+               jnp.asarray(a, jnp.float32) for a in (W, Q, H))
+    e = _errors_vs_rtn(W, Q, H, jnp.float32(h_scale), **errors_kwargs(spec, W.shape[1], scale_dtype))
+    return float(e[0]), float(e[1])
+
+
+def errors_kwargs(spec: QuantSpec, K: int, scale_dtype=jnp.float16) -> dict:
+    """The static settings `_errors_vs_rtn` is compiled for, in_features K (also gptq_calib's compile-ahead)."""
+    return dict(maxq=spec.maxq, sym=spec.sym, G=spec.groups(K), scale_dtype=jnp.dtype(scale_dtype).name)

@@ -1,0 +1,270 @@
+"""Fine-tuning data: JSON-lines rows -> token ids with a loss mask -> packed (or padded) fixed-length rows.
+
+Three row shapes (detected per row):
+  Alpaca  {"instruction": str, "input": str (optional), "output": str}
+  chat    {"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}
+  plain   {"text": str}
+Templates:
+  * Llama 3 chat format when the tokenizer has <|start_header_id|>, <|end_header_id|> and <|eot_id|>:
+      <|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n{instruction}\n\n{input}<|eot_id|>
+      <|start_header_id|>assistant<|end_header_id|>\n\n{output}<|eot_id|>
+    (an Alpaca row is one user turn + one assistant turn; <|eot_id|> ends each assistant reply).
+  * Otherwise the plain template (BOS first if the tokenizer has one):
+      ### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n{output}<EOS>
+    ("### Input" is left out when there is no input; chat turns become "### System:", "### User:",
+    "### Assistant:" blocks, each followed by a blank line).
+Loss is computed only on response tokens (every assistant reply and the end token after it); a plain
+{"text"} row is trained on all its tokens except BOS. The prompt for exact-match evaluation is the
+template up to and including the response header (`prompt_ids`).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from amdllm.io.tokenizer import pad_id
+
+LLAMA3_SPECIALS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+
+
+class DataError(ValueError):
+    """A data file that cannot be used; the message gives file:line and what was expected."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading rows
+# --------------------------------------------------------------------------------------------------
+def read_jsonl(path) -> list[tuple[int, dict]]:
+    """[(line_number, row)] from a JSON-lines file; blank lines are skipped; errors name file:line."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such data file (expected JSON lines)")
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{n}: malformed JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
+            rows.append((n, row))
+    if not rows:
+        raise DataError(f"{path}: empty data file (expected JSON lines with instruction/output, "
+                        "messages, or text)")
+    return rows
+
+
+def row_shape(row: dict, where: str) -> str:
+    """'alpaca' | 'chat' | 'plain', checking the fields; `where` is 'file:line' for errors."""
+    def need_str(key):
+        if key not in row:
+            raise DataError(f"{where}: missing field {key!r}")
+        if not isinstance(row[key], str):
+            raise DataError(f"{where}: field {key!r} must be a string, got {type(row[key]).__name__}")
+    if "messages" in row:
+        msgs = row["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise DataError(f"{where}: 'messages' must be a non-empty list of {{role, content}}")
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
+                    or not isinstance(m.get("content"), str):
+                raise DataError(f"{where}: messages[{i}] must be {{'role': system|user|assistant, "
+                                f"'content': str}}, got {m!r}")
+        if not any(m["role"] == "assistant" for m in msgs):
+            raise DataError(f"{where}: no assistant message (nothing to train on)")
+        return "chat"
+    if "instruction" in row or "output" in row:
+        need_str("instruction")
+        need_str("output")
+        if "input" in row and row["input"] is not None and not isinstance(row["input"], str):
+            raise DataError(f"{where}: field 'input' must be a string")
+        return "alpaca"
+    if "text" in row:
+        need_str("text")
+        return "plain"
+    raise DataError(f"{where}: missing field: a row needs 'instruction' and 'output' (Alpaca), "
+                    f"'messages' (chat) or 'text' (plain); found keys {sorted(row)}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Templates: row -> pieces of (text or special token, trained?)
+# --------------------------------------------------------------------------------------------------
+def is_llama3_chat(tokenizer) -> bool:
+    vocab = tokenizer.get_vocab()
+    return all(t in vocab for t in LLAMA3_SPECIALS)
+
+
+def _messages(row: dict, shape: str) -> list[dict]:
+    if shape == "chat":
+        return row["messages"]
+    user = row["instruction"] + ("\n\n" + row["input"] if row.get("input") else "")
+    return [{"role": "user", "content": user}, {"role": "assistant", "content": row["output"]}]
+
+
+def _pieces(row: dict, shape: str, llama3: bool, eos: str) -> list[tuple[str, bool]]:
+    """Template as [(text, trained)] up to the last assistant reply; specials are literal strings."""
+    if shape == "plain":
+        return [(row["text"] + eos, True)]
+    if llama3:
+        out = []
+        for m in _messages(row, shape):
+            out.append((f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n", False))
+            trained = m["role"] == "assistant"
+            out.append((m["content"] + "<|eot_id|>", trained))  # the end token is learned too
+        return out
+    if shape == "alpaca":
+        p = f"### Instruction:\n{row['instruction']}\n\n"
+        if row.get("input"):
+            p += f"### Input:\n{row['input']}\n\n"
+        return [(p + "### Response:\n", False), (row["output"] + eos, True)]
+    out = []
+    for m in row["messages"]:
+        out.append((f"### {m['role'].capitalize()}:\n", False))
+        if m["role"] == "assistant":
+            out += [(m["content"] + eos, True), ("\n\n", False)]
+        else:
+            out.append((m["content"] + "\n\n", False))
+    return out
+
+
+def encode_row(row: dict, tokenizer, shape: str | None = None, where: str = "row") -> tuple[list[int], list[int]]:
+    """(ids, mask): mask 1 where the token is part of a response (so predicting it is trained)."""
+    shape = shape or row_shape(row, where)
+    llama3 = is_llama3_chat(tokenizer)
+    eos = tokenizer.eos_token or ""
+    if not eos and shape != "plain" and not llama3:
+        raise DataError("the tokenizer has no EOS token; the response template needs one")
+    ids, mask = [], []
+    if tokenizer.bos_token_id is not None:
+        ids, mask = [tokenizer.bos_token_id], [0]
+    pieces = _pieces(row, shape, llama3, eos)
+    while pieces and not pieces[-1][1]:  # trailing prompt pieces (after the last reply) teach nothing
+        pieces.pop()
+    for text, trained in pieces:
+        t = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids += t
+        mask += [int(trained)] * len(t)
+    return ids, mask
+
+
+def prompt_ids(row: dict, tokenizer) -> list[int]:
+    """Token ids of the prompt for generation: the template up to the response (Alpaca rows)."""
+    ids, mask = encode_row(row, tokenizer, "alpaca")
+    first = mask.index(1)
+    return ids[:first]
+
+
+# --------------------------------------------------------------------------------------------------
+# Fixed-length rows
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class Dataset:
+    """Next-token training rows, all [N, T]: predict targets[t] from tokens[..t] where weights > 0."""
+    tokens: np.ndarray       # int32
+    targets: np.ndarray      # int32
+    weights: np.ndarray      # float32, 1 on response tokens
+    segment_ids: np.ndarray  # int32, 0 = padding; packed examples get 1, 2, ...
+    positions: np.ndarray    # int32, restart at 0 in every segment
+    stats: dict = field(default_factory=dict)
+    rows: list = field(default_factory=list)  # the source rows (for task accuracy)
+
+    def __len__(self):
+        return int(self.tokens.shape[0])
+
+    def take(self, idx) -> dict:
+        return {k: getattr(self, k)[idx] for k in ("tokens", "targets", "weights", "segment_ids", "positions")}
+
+
+def build_dataset(examples: list[tuple[list[int], list[int]]], seq_len: int, *, pack: bool = True,
+                  too_long: str = "truncate", pad_id: int = 0) -> Dataset:
+    """Shift each example by one (inputs ids[:-1], targets ids[1:]) and lay them into rows of seq_len.
+
+    pack=True: examples are placed greedily, in order, into rows (segment ids 1, 2, ... keep them from
+    attending to each other, positions restart per example); pack=False: one example per row, padded.
+    too_long: 'truncate' (keep the first seq_len+1 tokens) or 'drop'. Both are counted in `stats`.
+    """
+    if too_long not in ("truncate", "drop"):
+        raise DataError(f"too_long must be 'truncate' or 'drop', got {too_long!r}")
+    if seq_len < 2:
+        raise DataError(f"seq_len must be >= 2, got {seq_len}")
+    truncated = dropped = 0
+    shifted = []
+    for ids, mask in examples:
+        if len(ids) > seq_len + 1:
+            if too_long == "drop":
+                dropped += 1
+                continue
+            ids, mask, truncated = ids[:seq_len + 1], mask[:seq_len + 1], truncated + 1
+        if len(ids) < 2 or not any(mask[1:]):
+            dropped += 1  # nothing left to learn (e.g. the response was cut off entirely)
+            continue
+        shifted.append((ids[:-1], ids[1:], mask[1:]))
+    if not shifted:
+        raise DataError(f"no usable examples: {dropped} dropped (too long for seq_len {seq_len} or "
+                        "without response tokens)")
+    rows: list[list[tuple]] = []
+    if pack:
+        used = []
+        for ex in shifted:  # first fit into the current row, else open a new one
+            if rows and used[-1] + len(ex[0]) <= seq_len:
+                rows[-1].append(ex)
+                used[-1] += len(ex[0])
+            else:
+                rows.append([ex])
+                used.append(len(ex[0]))
+    else:
+        rows = [[ex] for ex in shifted]
+    N = len(rows)
+    arr = {k: np.zeros((N, seq_len), np.int32) for k in ("tokens", "targets", "segment_ids", "positions")}
+    arr["tokens"][:] = pad_id
+    weights = np.zeros((N, seq_len), np.float32)
+    for r, row in enumerate(rows):
+        t = 0
+        for s, (x, y, w) in enumerate(row, 1):
+            n = len(x)
+            arr["tokens"][r, t:t + n], arr["targets"][r, t:t + n] = x, y
+            weights[r, t:t + n] = w
+            arr["segment_ids"][r, t:t + n] = s
+            arr["positions"][r, t:t + n] = np.arange(n)
+            t += n
+    stats = {"examples": len(examples), "used": len(shifted), "truncated": truncated, "dropped": dropped,
+             "rows": N, "tokens": int((arr["segment_ids"] > 0).sum()), "trained_tokens": int(weights.sum())}
+    return Dataset(weights=weights, stats=stats, **arr)
+
+
+def load_dataset(path, tokenizer, seq_len: int, *, pack: bool = True, too_long: str = "truncate") -> Dataset:
+    """Read, template, tokenize and lay out a JSONL file. Errors name file:line."""
+    rows = read_jsonl(path)
+    examples = []
+    for n, row in rows:
+        where = f"{path}:{n}"
+        examples.append(encode_row(row, tokenizer, row_shape(row, where), where))
+    ds = build_dataset(examples, seq_len, pack=pack, too_long=too_long, pad_id=pad_id(tokenizer))
+    ds.rows = [row for _, row in rows]
+    return ds
+
+
+# --------------------------------------------------------------------------------------------------
+# Deterministic batch order
+# --------------------------------------------------------------------------------------------------
+def batch_indices(n_rows: int, step: int, batch_size: int, seed: int) -> np.ndarray:
+    """Row indices of batch `step` (0-based): epochs are permutations seeded by (seed, epoch), read in
+    order, so batch `step` depends only on (seed, step) -- which is what makes --resume exact."""
+    start = step * batch_size
+    out = []
+    while len(out) < batch_size:
+        epoch, offset = divmod(start + len(out), n_rows)
+        perm = np.random.default_rng([seed, epoch]).permutation(n_rows)
+        out.extend(perm[offset:offset + batch_size - len(out)].tolist())
+    return np.asarray(out)
+
+
+def cursor(n_rows: int, step: int, batch_size: int) -> dict:
+    epoch, offset = divmod(step * batch_size, n_rows)
+    return {"epoch": epoch, "offset": offset}

@@ -1,0 +1,213 @@
+"""The training loop around the compiled step: progress, metrics, evaluation, checkpoints, resume.
+
+`finetune` trains the LoRA factors already attached to a model and writes, under OUT: the PEFT adapter,
+metrics.jsonl (one JSON object per logged step and per evaluation) and resumable checkpoints
+(checkpoints/step_NNNNNN, each written as a directory renamed into place). Formats: docs/formats.md.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors.numpy import load_file
+from safetensors.numpy import save as st_save
+from tqdm.auto import tqdm
+
+from amdllm.files import atomic_write_bytes, atomic_write_text
+from amdllm.io.peft import save_adapter
+from amdllm.model import Llama
+from amdllm.model import lora as lora_mod
+from amdllm.parallel.sharding import shard_model
+from amdllm.train import data as data_mod
+from amdllm.train.report import task_accuracy
+from amdllm.train.step import (TrainConfig, TrainingError, evaluate_loss, flops_per_token, make_eval_step,
+                               make_optimizer, make_train_step, peak_flops, place_batch, split_params,
+                               stack_batch)
+
+
+# --------------------------------------------------------------------------------------------------
+# Checkpoints: OUT/checkpoints/step_000123/{state.safetensors, state.json}, renamed into place
+# --------------------------------------------------------------------------------------------------
+def _ckpt_dir(out: Path) -> Path:
+    return out / "checkpoints"
+
+
+def list_checkpoints(out) -> list[Path]:
+    d = _ckpt_dir(Path(out))
+    found = [p for p in d.glob("step_*") if p.is_dir() and (p / "state.json").is_file()] if d.is_dir() else []
+    return sorted(found, key=lambda p: int(p.name.split("_")[1]))
+
+
+def save_checkpoint(out, step: int, lora: dict, opt_state, meta: dict, keep: int) -> Path:
+    """Write the resumable state as a directory renamed into place (a crash never leaves half of one)."""
+    final = _ckpt_dir(Path(out)) / f"step_{step:06d}"
+    tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = {f"lora/{k}": np.asarray(v) for k, v in lora.items()}
+    tensors.update({f"opt/{i:05d}": np.asarray(v) for i, v in enumerate(jax.tree.leaves(opt_state))})
+    atomic_write_bytes(tmp / "state.safetensors", st_save(tensors))
+    atomic_write_text(tmp / "state.json", json.dumps({**meta, "step": step}, indent=2) + "\n")
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    for old in list_checkpoints(out)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path: Path, lora_template: dict, opt_template) -> tuple[dict, object, dict]:
+    t = load_file(str(path / "state.safetensors"))
+    meta = json.loads((path / "state.json").read_text())
+    lora = {}
+    for k, v in lora_template.items():
+        if f"lora/{k}" not in t or t[f"lora/{k}"].shape != v.shape:
+            raise TrainingError(f"{path}: LoRA tensor {k} missing or of another shape; the checkpoint "
+                                "was written with other LoRA settings")
+        lora[k] = jnp.asarray(t[f"lora/{k}"])
+    leaves, treedef = jax.tree.flatten(opt_template)
+    opt = [jnp.asarray(t[f"opt/{i:05d}"]) for i in range(len(leaves)) if f"opt/{i:05d}" in t]
+    if len(opt) != len(leaves) or any(a.shape != b.shape for a, b in zip(opt, leaves)):
+        raise TrainingError(f"{path}: optimizer state does not match this optimizer")
+    return lora, jax.tree.unflatten(treedef, opt), meta
+
+
+def _same_sharding(new: dict, like: dict) -> dict:
+    return jax.tree.map(lambda n, o: jax.device_put(n, o.sharding), new, like)
+
+
+# --------------------------------------------------------------------------------------------------
+# The loop
+# --------------------------------------------------------------------------------------------------
+RESUME_KEYS = ("steps", "batch_size", "grad_accum", "seq_len", "lr", "warmup", "min_lr_ratio",
+               "weight_decay", "clip", "b1", "b2", "seed")
+
+
+def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig = TrainConfig(), *,
+             eval_ds: data_mod.Dataset | None = None, tokenizer=None, task_rows=None, task_group_by=None,
+             mesh=None, rules=None, resume: bool = False, progress: bool = True, base_model_dir=None) -> dict:
+    """Train the LoRA factors already attached to `model` (in place); write the adapter to `out_dir`.
+    Evaluations score `task_rows` by exact match (per group too with `task_group_by`, see `task_accuracy`).
+
+    Metrics go to OUT/metrics.jsonl (one line per logged step, and one per evaluation), checkpoints to
+    OUT/checkpoints/. Returns a summary dict (losses, evals, throughput, paths).
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if mesh is not None:
+        shard_model(model, mesh, rules)
+    lora, frozen = split_params(model)
+    optimizer, schedule = make_optimizer(tc)
+    opt_state = optimizer.init(lora)
+    global_batch = tc.batch_size * tc.grad_accum
+    n_dev = 1 if mesh is None else mesh.size
+    info = lora_mod.lora_info(model)
+    meta = {"train_config": asdict(tc), "lora": {**info, "targets": list(info["targets"])},
+            "data": {"rows": len(train_ds), **train_ds.stats}}
+    start, metrics_lines = 0, []
+    metrics_path = out / "metrics.jsonl"
+    if resume and list_checkpoints(out):
+        last = list_checkpoints(out)[-1]
+        lora, opt_state, saved = load_checkpoint(last, lora, opt_state)
+        diff = {k: (saved["train_config"].get(k), getattr(tc, k)) for k in RESUME_KEYS
+                if saved["train_config"].get(k) != getattr(tc, k)}
+        if diff or saved["lora"] != meta["lora"] or saved["data"]["rows"] != len(train_ds):
+            raise TrainingError(f"{last}: cannot resume with different settings {diff or 'LoRA/data'}; "
+                                "resume needs the same data, LoRA and training settings (saved, new)")
+        start = saved["step"]
+        if metrics_path.is_file():  # drop lines logged after the checkpoint: they will be redone
+            metrics_lines = [l for l in metrics_path.read_text().splitlines()
+                             if l.strip() and json.loads(l).get("step", 0) <= start]
+    elif list_checkpoints(out) and not resume:
+        raise TrainingError(f"{out}: holds checkpoints of an earlier run; pass resume=True (--resume) "
+                            "or use a fresh output directory")
+    if mesh is not None:
+        lora = _same_sharding(lora, split_params(model)[0])
+    step_fn = make_train_step(model, optimizer)
+    eval_step = make_eval_step(model)
+    fpt = flops_per_token(model.cfg, info, tc.seq_len)
+    peak = peak_flops() * n_dev
+    key = jax.random.key(tc.seed)
+    evals, losses, last_ckpt = [], [], (list_checkpoints(out) or [None])[-1]
+
+    def write_metrics():
+        atomic_write_text(metrics_path, "".join(l + "\n" for l in metrics_lines))
+
+    def run_eval(step):
+        rec = {"step": step, "event": "eval"}
+        set_lora_copy(model, lora)
+        if eval_ds is not None:
+            rec["eval_loss"] = evaluate_loss(model, lora, frozen, eval_ds, tc.batch_size, eval_step, mesh, rules)
+        if task_rows and tokenizer is not None:
+            rec.update(task_accuracy(model, tokenizer, task_rows, group_by=task_group_by))
+        evals.append(rec)
+        metrics_lines.append(json.dumps(rec))
+        write_metrics()
+        return rec
+
+    def checkpoint(step):
+        nonlocal last_ckpt
+        last_ckpt = save_checkpoint(out, step, lora, opt_state, meta, tc.keep)
+
+    if start == 0 and (eval_ds is not None or task_rows):
+        run_eval(0)  # the "before" numbers: base model (B = 0, so the adapter is a no-op)
+    bar = tqdm(range(start, tc.steps), initial=start, total=tc.steps, desc="finetune", disable=not progress,
+               file=sys.stderr, dynamic_ncols=True)
+    tok_s = mfu = 0.0
+    t_prev = time.perf_counter()
+    for step in bar:
+        idx = data_mod.batch_indices(len(train_ds), step, global_batch, tc.seed)
+        batch = place_batch(stack_batch(train_ds, idx, tc.grad_accum), mesh, rules)
+        lora, opt_state, m = step_fn(lora, opt_state, frozen, batch, jax.random.fold_in(key, step))
+        loss = float(m["loss"])  # waits for the step; also the NaN check
+        now = time.perf_counter()
+        dt, t_prev = now - t_prev, now
+        if not bool(m["ok"]):
+            write_metrics()
+            where = f"last good checkpoint: {last_ckpt}" if last_ckpt else "no checkpoint was written yet"
+            raise TrainingError(f"non-finite loss ({loss}) or gradient norm ({float(m['grad_norm'])}) at step "
+                                f"{step + 1}; stopped without applying it ({where})")
+        positions = global_batch * tc.seq_len
+        if step > start:  # the first step includes compilation
+            tok_s = positions / dt
+            mfu = fpt * tok_s / peak if peak else 0.0
+        losses.append(loss)
+        n = step + 1
+        if n % tc.log_every == 0 or n == tc.steps:
+            metrics_lines.append(json.dumps({
+                "step": n, "loss": loss, "lr": float(schedule(step)), "grad_norm": float(m["grad_norm"]),
+                "tokens_per_second": tok_s, "mfu": mfu, "trained_tokens": float(m["weight"]),
+                "step_seconds": dt, "epoch": data_mod.cursor(len(train_ds), n, global_batch)["epoch"]}))
+            write_metrics()
+        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}", mfu=f"{100 * mfu:.1f}%")
+        if tc.eval_every and n % tc.eval_every == 0 and n < tc.steps:
+            run_eval(n)
+        if tc.save_every and n % tc.save_every == 0 and n < tc.steps:
+            meta["cursor"] = data_mod.cursor(len(train_ds), n, global_batch)
+            checkpoint(n)
+    bar.close()
+    meta["cursor"] = data_mod.cursor(len(train_ds), tc.steps, global_batch)
+    if start < tc.steps:
+        checkpoint(tc.steps)
+    final_eval = run_eval(tc.steps) if (eval_ds is not None or task_rows) else None
+    set_lora_copy(model, lora)
+    save_adapter(model, out, base_model_dir=base_model_dir)
+    write_metrics()
+    return {"steps": tc.steps, "resumed_from": start, "losses": losses,
+            "final_loss": losses[-1] if losses else None, "eval": final_eval, "evals": evals,
+            "tokens_per_second": tok_s, "mfu": mfu, "flops_per_token": fpt, "peak_flops": peak,
+            "adapter_dir": str(out), "metrics": str(metrics_path), "checkpoint": str(last_ckpt),
+            "data": train_ds.stats}
+
+
+def set_lora_copy(model: Llama, lora: dict) -> None:
+    """Write copies into the model (the live buffers are donated to the next step)."""
+    lora_mod.set_lora_params(model, {k: jnp.array(v, copy=True) for k, v in lora.items()})
