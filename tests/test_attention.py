@@ -5,8 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from amdllm.model.attention import attention, cached_attention, causal_attention, query_blocks
-from amdllm.model import swiglu, swiglu2
+from amdllm.model.attention import attention, cached_attention
+from amdllm.model.fast import causal_attention, query_blocks
+from amdllm.model.fast import swiglu_joined as swiglu, swiglu_pair as swiglu2
 
 
 def _inputs(B=2, T=16, H=4, Hkv=2, hd=8):
@@ -23,11 +24,11 @@ def _inputs(B=2, T=16, H=4, Hkv=2, hd=8):
 @pytest.mark.parametrize("block", [4, 8, 16, 5])  # 5: does not divide 16, one block
 def test_causal_attention_matches_textbook(block):
     q, k, v, mask, w, real = _inputs()
-    ref, got = attention(q, k, v, mask), causal_attention(q, k, v, mask, block=block)
+    ref, got = attention(q, k, v, mask), causal_attention(q, k, v, mask, block_rows=block)
     np.testing.assert_allclose(np.asarray(got * real), np.asarray(ref * real), atol=1e-6)
     assert np.isfinite(np.asarray(got)).all()  # padding rows too
     g_ref = jax.grad(lambda *a: jnp.sum(attention(*a, mask) * w), argnums=(0, 1, 2))(q, k, v)
-    g_got = jax.grad(lambda *a: jnp.sum(causal_attention(*a, mask, block=block) * w), argnums=(0, 1, 2))(q, k, v)
+    g_got = jax.grad(lambda *a: jnp.sum(causal_attention(*a, mask, block_rows=block) * w), argnums=(0, 1, 2))(q, k, v)
     for name, a, b in zip("qkv", g_got, g_ref):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6, err_msg=f"d{name}")
 
@@ -37,7 +38,7 @@ def test_causal_attention_skips_blocks_above_the_diagonal():
     assert query_blocks(100, 64) == [(0, 100)]
     # the backward keeps no [.., T, S] probabilities: its residuals are q, k, v, mask, output and row stats
     q, k, v, mask, _, _ = _inputs(T=16)
-    res = jax.vjp(lambda q, k, v: causal_attention(q, k, v, mask, block=4), q, k, v)[1]
+    res = jax.vjp(lambda q, k, v: causal_attention(q, k, v, mask, block_rows=4), q, k, v)[1]
     sizes = [x.size for x in jax.tree.leaves(res) if hasattr(x, "size")]
     assert max(sizes) <= q.size, sizes
 

@@ -213,7 +213,7 @@ def test_capture_layer_is_the_model_layer():
     x = jax.random.normal(jax.random.key(0), (2, 8, 32))
     cos, sin, mask = _rope_mask(cfg, 2, 8)
     ours, ins = layer_with_inputs(cfg, p, x, cos, sin, mask)
-    ref, _ = M.decoder_layer(cfg, p, x, cos, sin, mask)
+    ref, _ = M.llama.block(cfg, p, x, (cos, sin), mask)  # the textbook block
     np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), rtol=1e-6, atol=1e-6)
     h = M.rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps)
     np.testing.assert_allclose(np.asarray(ins["attn_in"]), np.asarray(h), rtol=1e-6)

@@ -13,7 +13,7 @@ from amdllm.parallel import plan as PL, sharding as S
 from amdllm.cli import main
 from amdllm.config import PRESETS, LlamaConfig
 from amdllm.model.lora import apply_lora
-from amdllm.model import Llama, cross_entropy, forward, to_pure
+from amdllm.model import Llama, Run, cross_entropy, forward, to_pure
 
 # The embedded default model's shape (amdllm/course.py MODEL; vocabulary padded to a multiple of 64).
 DEFAULT_SHAPE = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
@@ -138,7 +138,7 @@ def test_planner_vs_xla_sharded_fsdp():
 
 def _lora_step(lp, st, top, base, tok, cfg, remat, act_sharding=None):
     def loss(lp):
-        logits = forward(cfg, top, {**base, **lp}, tok, lora_scale=2.0, remat=remat, act_sharding=act_sharding)[0]
+        logits = forward(cfg, top, {**base, **lp}, tok, run=Run(lora_scale=2.0, remat=remat, act_sharding=act_sharding))[0]
         return cross_entropy(logits, tok, jnp.ones_like(tok))
     val, g = jax.value_and_grad(loss)(lp)
     upd, st = OPT.update(g, st, lp)

@@ -16,7 +16,7 @@ from amdllm.parallel import sharding as S  # noqa: E402
 from amdllm.course import plots  # noqa: E402
 from amdllm.config import LlamaConfig  # noqa: E402
 from amdllm.model.lora import apply_lora  # noqa: E402
-from amdllm.model import forward, param_table, to_pure  # noqa: E402
+from amdllm.model import Run, forward, param_table, to_pure  # noqa: E402
 from tests.tiny import hf_logits, make_hf_checkpoint, random_tokens  # noqa: E402
 
 CASES = [("fsdp", "fsdp=8"), ("tp", "data=4,tensor=2"), ("fsdp_tp", "data=2,fsdp=2,tensor=2"), ("dp", "data=8")]
@@ -84,8 +84,8 @@ def test_sharded_load_and_forward_match_unsharded(ckpt, preset, spec):
         arrays["layers/q_proj"].size // {"fsdp": 8, "tp": 2, "fsdp_tp": 4, "dp": 1}[preset]
 
     assert model.act_sharding == S.activation_sharding(mesh, preset)  # set by checkpoint.load / shard_model
-    fwd = jax.jit(lambda t, l, x, sh=None: forward(model.cfg, t, l, x, lora_scale=model.lora_scale,
-                                                   act_sharding=sh)[0], static_argnums=3)
+    fwd = jax.jit(lambda t, l, x, sh=None: forward(model.cfg, t, l, x, run=Run(lora_scale=model.lora_scale,
+                                                                                act_sharding=sh))[0], static_argnums=3)
     x = S.shard_batch(tokens, mesh, preset)
     assert x.sharding.spec == P(("data", "fsdp") if preset == "fsdp_tp" else ("fsdp" if preset == "fsdp" else "data"))
     got = np.asarray(fwd(top, layers, x, model.act_sharding))

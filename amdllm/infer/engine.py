@@ -32,8 +32,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from amdllm.infer.generate import decode_compiler_options, layer_views, sample_token
-from amdllm.model import KVCache, forward, init_cache, to_pure
+from amdllm.infer.decode import decode_run, last_logits, sample_token, step_logits
+from amdllm.model import KVCache, to_pure
+from amdllm.model.fast import cpu_compiler_options, init_cache, layer_views
 from amdllm.io.tokenizer import pad_id as tokenizer_pad_id
 
 log = logging.getLogger("amdllm.infer.engine")
@@ -134,7 +135,7 @@ class Engine:
         self.pad = int(pad_id) if pad_id is not None else tokenizer_pad_id(tokenizer)
         self.top, self.layers = to_pure(model)
         # the decode step reads per-layer weight views on the CPU (no copies out of the stack; see
-        # generate.layer_views) and then keeps a per-layer cache; the prefill scans the stacked weights
+        # amdllm.model.fast) and then keeps a per-layer cache; the prefill scans the stacked weights
         self.views = layer_views(self.layers)
         self.dtype = model.dtype
         self._build(model)
@@ -152,7 +153,7 @@ class Engine:
 
     # ---------------------------------------------------------------- compiled pure functions
     def _build(self, model):
-        cfg, dtype, lscale = self.cfg, model.dtype, float(model.lora_scale)
+        cfg, run = self.cfg, decode_run(model)
 
         def sample_rows(logits, keys, k, temp, top_p):
             # logits [B, V], keys [B, 2], k [B] token index per row -> [B]; generate's key schedule
@@ -165,11 +166,7 @@ class Engine:
             # slots [start, start+P); the row's other slots become invalid
             S = cache.valid.shape[1]
             sub = KVCache(_row_of(cache.k, row), _row_of(cache.v, row), jnp.zeros((1, S), bool))
-            x, sub = forward(cfg, top, layers, tokens, positions=positions, segment_ids=seg, cache=sub,
-                             cache_index=start, dtype=dtype, lora_scale=lscale, return_hidden=True)
-            # logits at the last position only: [1, V], not [1, P, V] (a 128k vocabulary makes that big)
-            head = top["lm_head"] if "lm_head" in top else top["embed_tokens"].T
-            last = jnp.dot(x[:, -1], head.astype(dtype), preferred_element_type=jnp.float32)
+            last, sub = last_logits(cfg, run, top, layers, tokens, positions, seg, sub, start)   # [1, V]
             cache = KVCache(_put_row(cache.k, sub.k, row), _put_row(cache.v, sub.v, row),
                             jax.lax.dynamic_update_slice(cache.valid, sub.valid, (row, 0)))
             tok = sample_rows(last, key[None], jnp.zeros((1,), jnp.int32), temp, top_p)
@@ -177,10 +174,8 @@ class Engine:
 
         def step(top, layers, cache, tok, pos, active, c, keys, k, temp, top_p):
             # tok/pos/active/k/temp/top_p [B]; every row writes slot c; inactive rows stay invalid
-            logits, cache = forward(cfg, top, layers, tok[:, None], positions=pos[:, None],
-                                    segment_ids=active[:, None].astype(jnp.int32), cache=cache,
-                                    cache_index=c, dtype=dtype, lora_scale=lscale)   # [B, 1, V]
-            return sample_rows(logits[:, 0], keys, k, temp, top_p), cache
+            logits, cache = step_logits(cfg, run, top, layers, tok, pos, active, cache, c)   # [B, V]
+            return sample_rows(logits, keys, k, temp, top_p), cache
 
         def shift(cache, m):  # move every row's slots m to the left; wrapped-in slots are invalid
             S = cache.valid.shape[1]
@@ -190,7 +185,7 @@ class Engine:
         # the cache is donated: XLA may update it in place instead of copying [L, B, Hkv, S, hd] twice a
         # step (jax 0.10's CPU client implements donation too)
         self._prefill = jax.jit(prefill, donate_argnums=(2,))
-        self._step = jax.jit(step, donate_argnums=(2,), compiler_options=decode_compiler_options())
+        self._step = jax.jit(step, donate_argnums=(2,), compiler_options=cpu_compiler_options("decode"))
         self._shift = jax.jit(shift, donate_argnums=(0,))
 
     def _new_cache(self) -> KVCache:

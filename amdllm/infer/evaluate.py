@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from amdllm.model import forward, to_pure
+from amdllm.model import Run, forward, to_pure
 
 _COMPILED: dict = {}
 
@@ -42,13 +42,12 @@ def _nll_fn(model):
     key = (json.dumps(cfg.to_dict(), sort_keys=True, default=str), str(model.dtype),
            float(model.lora_scale), getattr(model, "act_sharding", None))
     if key not in _COMPILED:
-        dtype, lora_scale = model.dtype, float(model.lora_scale)
-        act = getattr(model, "act_sharding", None)  # sharded model: keep hidden states split by batch
+        # a sharded model keeps its hidden states split by batch (act_sharding)
+        run = Run(model.dtype, lora_scale=float(model.lora_scale), act_sharding=getattr(model, "act_sharding", None))
 
         @jax.jit
         def nll_sum(top, layers, tokens, segment_ids):
-            logits, _ = forward(cfg, top, layers, tokens, segment_ids=segment_ids, dtype=dtype,
-                                lora_scale=lora_scale, act_sharding=act)  # [B, T, V] float32
+            logits, _ = forward(cfg, top, layers, tokens, segment_ids=segment_ids, run=run)  # [B, T, V] float32
             logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
             nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]  # [B, T-1]
             w = (segment_ids[:, 1:] != 0).astype(jnp.float32)  # a target is real iff its slot is

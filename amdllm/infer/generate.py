@@ -29,7 +29,9 @@ import numpy as np
 from amdllm.io import checkpoint
 from amdllm.io.peft import load_adapter
 from amdllm.io.tokenizer import load_tokenizer, pad_id
-from amdllm.model import KVCache, forward, init_cache, split_cache, to_pure
+from amdllm.infer.decode import decode_run, last_logits, sample_token, step_logits
+from amdllm.model import KVCache, to_pure
+from amdllm.model.fast import cpu_compiler_options, init_cache, layer_views, split_cache
 
 PROMPT_BUCKET = 16
 CACHE_BUCKET = 64
@@ -40,78 +42,9 @@ def _round_up(n: int, m: int) -> int:
 
 
 # --------------------------------------------------------------------------------------------------
-# Sampling: pure functions over arrays
-# --------------------------------------------------------------------------------------------------
-def sample_token(logits, key, temperature, top_p):
-    """logits [B, V] float32; temperature, top_p [B] -> token ids [B] int32.
-
-    temperature 0 is greedy (argmax). Otherwise nucleus sampling: keep the smallest set of most likely
-    tokens whose probability reaches top_p (the most likely token is always kept, so a tiny top_p is
-    greedy; top_p 1 keeps all), renormalise, sample. The draw happens in vocabulary order whatever the
-    other rows ask for, so a row samples the same token alone or in any batch; one key per row (row
-    index folded in) keeps rows independent. The sort is skipped when no row needs it (all greedy, or
-    all top_p = 1), which matters for a 128k vocabulary.
-    """
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    def nucleus(scaled):                                                    # [B, V] -> masked [B, V]
-        desc = -jnp.sort(-scaled, axis=-1)
-        probs = jax.nn.softmax(desc, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs                         # mass strictly above
-        keep = (before < top_p[:, None]) | (top_p[:, None] >= 1.0)          # first token: before=0
-        cutoff = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)  # smallest kept logit
-        return jnp.where(scaled >= cutoff, scaled, -jnp.inf)
-
-    def sampled(_):
-        scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-        scaled = jax.lax.cond(jnp.all(top_p >= 1.0), lambda s: s, nucleus, scaled)
-        keys = jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(logits.shape[0]))
-        return jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
-
-    tok = jax.lax.cond(jnp.any(temperature > 0), sampled, lambda _: greedy, None)
-    return jnp.where(temperature > 0, tok, greedy)
-
-
-# --------------------------------------------------------------------------------------------------
 # Compiled prefill / decode, cached per model structure
 # --------------------------------------------------------------------------------------------------
 _COMPILED: dict = {}
-
-
-def decode_compiler_options() -> dict | None:
-    """XLA options for a jitted decode step (here and in the server's engine).
-
-    XLA:CPU hands dots to XNNPACK/YNNPACK, which pays off for a prefill's or a training step's large
-    matmuls but not for a decode step's few rows: on the 31M benchmark model at batch 8, a step took
-    97 ms with XNNPACK and 37 ms without; with per-layer weights (`layer_views`) turning the YNNPACK
-    fusions off too takes it from ~30 to ~23 ms (batch 1: ~10 ms either way)."""
-    if jax.default_backend() != "cpu":
-        return None
-    return {"xla_cpu_use_xnnpack": False, "xla_cpu_experimental_ynn_fusion_type": ""}
-
-
-def layer_views(layers: dict) -> list[dict] | None:
-    """Stacked layer weights [L, ...] as L per-layer dicts that share their memory, or None.
-
-    `forward` runs per-layer weights as an unrolled loop instead of a scan; on the CPU that spares a
-    decode step XLA's copy of every layer's weights out of the stack (31M model, batch 8: 43 -> 24 ms
-    a step). The views cost no memory: on the CPU, `jax.device_put` of a numpy view of an array's
-    buffer makes no copy, and we check that it did not. None where that does not hold (an
-    accelerator, a sharded array, a copy made): the decode step then scans the stacked weights."""
-    if jax.default_backend() != "cpu":
-        return None
-    leaves, treedef = jax.tree.flatten(layers)
-    if not leaves or any(not isinstance(a, jax.Array) or len(a.sharding.device_set) != 1 for a in leaves):
-        return None
-    host = [np.asarray(a) for a in leaves]  # zero-copy on the CPU
-    devices = [next(iter(a.sharding.device_set)) for a in leaves]
-    L, n = leaves[0].shape[0], len(leaves)
-    slices = [h[i] for i in range(L) for h in host]
-    # one device_put for all L x n slices: half the time of one call per slice (~0.1 ms each)
-    views = jax.device_put(slices, devices * L)
-    if any(v.unsafe_buffer_pointer() != h.ctypes.data for v, h in zip(views, slices)):
-        return None  # copied (e.g. a misaligned slice): not worth the memory
-    return [jax.tree.unflatten(treedef, views[i * n:(i + 1) * n]) for i in range(L)]
 
 
 def _compiled(model):
@@ -121,40 +54,27 @@ def _compiled(model):
            float(model.lora_scale), getattr(model, "act_sharding", None))
     if key in _COMPILED:
         return _COMPILED[key]
-    dtype, lora_scale = model.dtype, float(model.lora_scale)
-    act = getattr(model, "act_sharding", None)  # sharded model: keep hidden states split by batch
-
-    def run(top, layers, tokens, positions, segment_ids, cache, cache_index):
-        # logits at the LAST position only: a prefill's [B, P, V] float32 logits would be 8 GB for
-        # 8 x 2048 tokens of a 128k vocabulary, and only the last column is ever used
-        h, cache = forward(cfg, top, layers, tokens, positions=positions, segment_ids=segment_ids,
-                           cache=cache, cache_index=cache_index, dtype=dtype, lora_scale=lora_scale,
-                           return_hidden=True, act_sharding=act)      # [B, T, D] normed
-        head = top["lm_head"] if "lm_head" in top else top["embed_tokens"].T   # tied: the embeddings
-        logits = jnp.dot(h[:, -1], head.astype(dtype), preferred_element_type=jnp.float32)  # [B, V]
-        return logits, cache
+    run = decode_run(model)
 
     def prefill(top, layers, tokens, positions, segment_ids, key, temperature, top_p, cache_len,
                 per_layer=False):
-        # tokens/positions/segment_ids [B, P] left-padded; cache_len (static) fixes the cache shape.
-        # The prefill scans the stacked weights (its matmuls are large; compile time stays flat) and
-        # hands the step a per-layer cache when the step runs per-layer weights (`layer_views`).
-        cache = init_cache(cfg, tokens.shape[0], cache_len, dtype)
-        # left padding: the last column is a real token for every row
-        last, cache = run(top, layers, tokens, positions, segment_ids, cache, 0)       # [B, V]
+        # tokens/positions/segment_ids [B, P] left-padded: the last column is a real token in every row.
+        # cache_len (static) fixes the cache shape. The prefill scans the stacked weights (large matmuls,
+        # flat compile time) and hands the step a per-layer cache when it runs per-layer weights.
+        cache = init_cache(cfg, tokens.shape[0], cache_len, run.dtype)
+        last, cache = last_logits(cfg, run, top, layers, tokens, positions, segment_ids, cache, 0)  # [B, V]
         tok = sample_token(last, jax.random.fold_in(key, 0), temperature, top_p)
         return tok, last, split_cache(cache) if per_layer else cache
 
     def step(top, layers, tok, pos, cache: KVCache, cache_index, i, key, temperature, top_p):
         # tok/pos [B]: the token just produced and its RoPE position; written at slot cache_index
-        logits, cache = run(top, layers, tok[:, None], pos[:, None], jnp.ones_like(tok)[:, None],
-                            cache, cache_index)                                      # [B, V]
+        logits, cache = step_logits(cfg, run, top, layers, tok, pos, jnp.ones_like(tok), cache, cache_index)
         nxt = sample_token(logits, jax.random.fold_in(key, i), temperature, top_p)
         return nxt, logits, cache
 
     # the cache is rewritten every step: donate it so XLA writes the new slot in place
     _COMPILED[key] = (jax.jit(prefill, static_argnames=("cache_len", "per_layer")),
-                      jax.jit(step, donate_argnums=(4,), compiler_options=decode_compiler_options()))
+                      jax.jit(step, donate_argnums=(4,), compiler_options=cpu_compiler_options("decode")))
     return _COMPILED[key]
 
 

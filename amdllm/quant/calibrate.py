@@ -22,11 +22,14 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from amdllm import model as M
+from amdllm.model import fast
+from amdllm.model.llama import attention_mask
 from amdllm.config import LlamaConfig
 from amdllm.model.quantized import QuantLinear
 from amdllm.quant import gptq
 from amdllm.quant.gptq import GPTQError
 
+UNFUSED = fast.kernels(fuse=False)
 # which captured input feeds which projection; and the true-sequential order
 INPUT_OF = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "o_proj": "o_in",
             "gate_proj": "mlp_in", "up_proj": "mlp_in", "down_proj": "down_in"}
@@ -35,25 +38,20 @@ ATTN_INPUTS = ("q_proj", "k_proj", "v_proj")  # what the attention output depend
 
 
 def layer_with_inputs(cfg, p, x, cos, sin, mask, attn=None):
-    """model.decoder_layer, also returning each projection's input (tests check it equals the model's).
+    """The model's own decoder block (`amdllm.model.block`), also returning each projection's input.
 
-    attn: this x's attention output [B, T, H*hd] (the o_proj input) when already known: q/k/v and
-    attention are then not computed again (true-sequential calibration reuses it for the groups after
-    o_proj, whose inputs q/k/v no longer change)."""
-    B, T, _ = x.shape
-    hd, H, Hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-    h = M.rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps)
-    if attn is None:
-        q = M.linear(h, p["q_proj"]).reshape(B, T, H, hd)
-        k = M.linear(h, p["k_proj"]).reshape(B, T, Hkv, hd)
-        v = M.linear(h, p["v_proj"]).reshape(B, T, Hkv, hd)
-        q, k = M.apply_rope(q, cos, sin), M.apply_rope(k, cos, sin)
-        attn = M.causal_attention(q, k, v, mask).reshape(B, T, H * hd)  # calibration windows: causal, no cache
-    x = x + M.linear(attn, p["o_proj"])
-    h2 = M.rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps)
-    mid = jax.nn.silu(M.linear(h2, p["gate_proj"])) * M.linear(h2, p["up_proj"])
-    x = x + M.linear(mid, p["down_proj"])
-    return x, {"attn_in": h, "o_in": attn, "mlp_in": h2, "down_in": mid}
+    The block's tap collects them. attn: this x's attention output [B, T, H*hd] (the o_proj input) when
+    already known: the tap substitutes it, so q/k/v and attention become dead code that XLA drops
+    (true-sequential calibration reuses it for the groups after o_proj, whose inputs q/k/v no longer
+    change). The projections stay separate (unfused), each quantized on its own."""
+    ins = {}
+
+    def tap(name, a):
+        ins[name] = attn if (name == "o_in" and attn is not None) else a
+        return ins[name]
+
+    x, _ = M.block(cfg, p, x, (cos, sin), mask, kernels=UNFUSED, tap=tap)
+    return x, ins
 
 
 def attention_plan(groups) -> tuple[list[tuple[bool, bool]], bool]:
@@ -88,11 +86,10 @@ def calibration_windows(token_ids, samples: int, seq_len: int, seed: int = 0) ->
 
 
 def _rope_mask(cfg, B, T):
-    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    freqs = pos[..., None].astype(jnp.float32) * M.rope_inv_freq(cfg)
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
-    return jnp.cos(emb), jnp.sin(emb), mask
+    """RoPE tables and the causal mask of B calibration windows of T tokens: (cos, sin, mask)."""
+    cos, sin = M.rope_tables(cfg, jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)))
+    mask, _ = attention_mask(jnp.ones((B, T), jnp.int32), None, None)
+    return cos, sin, mask
 
 
 @functools.lru_cache(maxsize=4)

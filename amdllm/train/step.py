@@ -27,6 +27,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from amdllm.model import Llama, LoRAParam, forward, token_nll
+from amdllm.model.fast import cpu_compiler_options
 from amdllm.parallel import plan
 from amdllm.parallel.sharding import batch_sharding
 from amdllm.train import data as data_mod
@@ -81,10 +82,8 @@ def loss_sums(lora, frozen, batch, rng, *, model: Llama):
     top = {k: v for k, v in frozen.items() if k != "layers"}
     layers = {**frozen["layers"], **lora}
     logits, _ = forward(model.cfg, top, layers, batch["tokens"], positions=batch["positions"],
-                        segment_ids=batch["segment_ids"], dtype=model.dtype, remat=model.remat,
-                        lora_scale=model.lora_scale, lora_dropout=model.lora_dropout,
-                        dropout_rng=rng if model.lora_dropout > 0 else None,
-                        act_sharding=getattr(model, "act_sharding", None))  # [B, T, V] float32
+                        segment_ids=batch["segment_ids"], run=model.run(),
+                        dropout_rng=rng if model.lora_dropout > 0 else None)  # [B, T, V] float32
     nll = token_nll(logits, batch["targets"])  # [B, T]; its backward is one pass over [B, T, V]
     w = batch["weights"].astype(jnp.float32)
     return jnp.sum(nll * w), jnp.sum(w)
@@ -125,16 +124,7 @@ def make_train_step(model: Llama, optimizer: optax.GradientTransformation):
         new_lora, new_opt = jax.tree.map(keep, new_lora, lora), jax.tree.map(keep, new_opt, opt_state)
         return new_lora, new_opt, {"loss": loss, "grad_norm": gnorm, "ok": ok, "weight": total_w}
 
-    return jax.jit(step, donate_argnums=(0, 1), compiler_options=train_compiler_options())
-
-
-def train_compiler_options() -> dict | None:
-    """XLA options for the training step: on the CPU, dots go to Eigen rather than YNNPACK fusions.
-
-    Same-process A/B on the 31M benchmark step (batch 8 x 256, LoRA r8 on all projections), 14
-    timed steps per side: 3.67 -> 3.36 s (1.09x); two shorter runs gave 1.07x and 1.02-1.07x. The
-    numbers are the same (equal first-step loss). Nothing changes on accelerators."""
-    return {"xla_cpu_experimental_ynn_fusion_type": ""} if jax.default_backend() == "cpu" else None
+    return jax.jit(step, donate_argnums=(0, 1), compiler_options=cpu_compiler_options("train"))
 
 
 def make_eval_step(model: Llama):

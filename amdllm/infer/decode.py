@@ -1,0 +1,66 @@
+"""The decode core that `generate` and the server's engine share: sampling, and the two model calls every
+decoder is built from. A prefill writes a prompt's keys and values into the cache and returns the
+logits at the last position only (a prefill's [B, P, V] float32 logits would be 8 GB for 8 x 2048
+tokens of a 128k vocabulary, and only the last column is used); a step writes one token per row.
+Both run the fast model (`amdllm.model.fast.forward`: per-layer weights on a CPU).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from amdllm.model import Run
+from amdllm.model.fast import forward
+from amdllm.model.layers import head
+
+
+def decode_run(model) -> Run:
+    """How a decoder runs `model`: its compute dtype and LoRA scale; on a mesh, its activation sharding."""
+    return Run(model.dtype, lora_scale=float(model.lora_scale), act_sharding=getattr(model, "act_sharding", None))
+
+
+def last_logits(cfg, run: Run, top, layers, tokens, positions, segment_ids, cache, cache_index):
+    """tokens/positions/segment_ids [B, T], written into `cache` from slot cache_index ->
+    (float32 logits at the last position [B, V], the cache)."""
+    h, cache = forward(cfg, top, layers, tokens, positions=positions, segment_ids=segment_ids, cache=cache,
+                       cache_index=cache_index, run=run, return_hidden=True)           # [B, T, D] normed
+    return head(top, h[:, -1], run.dtype), cache
+
+
+def step_logits(cfg, run: Run, top, layers, tok, pos, active, cache, cache_index):
+    """One decode step: tok/pos/active [B] (an inactive row writes an invalid slot) -> (logits [B, V], cache)."""
+    return last_logits(cfg, run, top, layers, tok[:, None], pos[:, None], active[:, None].astype(jnp.int32),
+                       cache, cache_index)
+
+
+# --------------------------------------------------------------------------------------------------
+# Sampling: pure functions over arrays
+# --------------------------------------------------------------------------------------------------
+def sample_token(logits, key, temperature, top_p):
+    """logits [B, V] float32; temperature, top_p [B] -> token ids [B] int32.
+
+    temperature 0 is greedy (argmax). Otherwise nucleus sampling: keep the smallest set of most likely
+    tokens whose probability reaches top_p (the most likely token is always kept, so a tiny top_p is
+    greedy; top_p 1 keeps all), renormalise, sample. The draw happens in vocabulary order whatever the
+    other rows ask for, so a row samples the same token alone or in any batch; one key per row (row
+    index folded in) keeps rows independent. The sort is skipped when no row needs it (all greedy, or
+    all top_p = 1), which matters for a 128k vocabulary.
+    """
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def nucleus(scaled):                                                    # [B, V] -> masked [B, V]
+        desc = -jnp.sort(-scaled, axis=-1)
+        probs = jax.nn.softmax(desc, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs                         # mass strictly above
+        keep = (before < top_p[:, None]) | (top_p[:, None] >= 1.0)          # first token: before=0
+        cutoff = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)  # smallest kept logit
+        return jnp.where(scaled >= cutoff, scaled, -jnp.inf)
+
+    def sampled(_):
+        scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+        scaled = jax.lax.cond(jnp.all(top_p >= 1.0), lambda s: s, nucleus, scaled)
+        keys = jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(logits.shape[0]))
+        return jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+
+    tok = jax.lax.cond(jnp.any(temperature > 0), sampled, lambda _: greedy, None)
+    return jnp.where(temperature > 0, tok, greedy)

@@ -1,0 +1,295 @@
+"""The fast paths. Each replaces one part of the textbook model (`amdllm.model.llama`), computes the same
+numbers (tests/test_fast.py checks every one against the textbook), and is on wherever it is faster:
+`forward` here is what training, evaluation, calibration and decoding run.
+
+  * Blocked causal attention with a recomputing backward (`causal_attention`): query blocks skip the
+    key blocks above the diagonal (10 of 16 score blocks at 4 blocks), and the backward recomputes the
+    probabilities from q and k instead of keeping them: autodiff of the textbook version saves float32
+    probabilities [B, H, T, T] per layer, which `lax.scan` stacks over the layers. Everywhere.
+  * A hand-written SwiGLU backward (`swiglu_joined`, `swiglu_pair`): it saves only its inputs (autodiff
+    also saves sigmoid(gate), silu(gate) and more, stacked per layer by the scan). Everywhere.
+  * Fused projections (`qkv`, `mlp` with `fuse=True`): q/k/v and gate/up each as one matmul on
+    concatenated kernels (and LoRA A's), which XLA:CPU runs closer to its matmul peak than two or three
+    smaller ones; the concat copies the kernels, about 1/rows of the matmul work. On XLA:CPU and off a
+    mesh only, and from FUSE_MIN_ROWS rows up: accelerators' matmuls are large already, and on a mesh
+    the tensor rules split `out`, where a concat would move data.
+  * Per-layer decoding (`layer_views` + the unrolled loop in `forward`): on a CPU, a decode step reads
+    each layer's weights where they lie instead of XLA copying every layer's slice out of the stack
+    (most of a decode step's time); zero-copy views, so no memory is spent. CPU only.
+The XLA:CPU compiler options the jitted steps use are here too (`cpu_compiler_options`).
+"""
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from amdllm.config import LlamaConfig
+from amdllm.model import llama
+from amdllm.model.attention import _scores
+from amdllm.model.layers import head, lora_delta, rms_norm, rope_tables
+from amdllm.model.llama import KVCache, Kernels, LoRA, Run, attention_mask, block, project
+
+FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
+FUSE_MIN_ROWS = 64  # below this (decoding), copying the kernels costs more than fewer matmuls save
+
+
+# --------------------------------------------------------------------------------------------------
+# Fused projections
+# --------------------------------------------------------------------------------------------------
+def project_group(p: dict, key: str, x, lora: LoRA, fuse: bool, joined: bool = False):
+    """The projections FUSED[key] of one input x -> their outputs (a list), as one matmul when fused.
+
+    joined=True: when fused, the one [..., sum(out)] output unsplit (its consumer takes it whole)."""
+    names = FUSED[key]
+    rows = math.prod(x.shape[:-1])
+    if not fuse or rows < FUSE_MIN_ROWS or any(isinstance(p[n], dict) for n in names):  # GPTQ: separate
+        return [project(p, n, x, lora) for n in names]
+    sizes = [p[n].shape[-1] for n in names]
+    x2 = x.reshape(-1, x.shape[-1])
+    y = x2 @ jnp.concatenate([p[n] for n in names], axis=-1).astype(x.dtype)           # [rows, sum(out)]
+    rngs = [None if lora.rng is None else jax.random.fold_in(lora.rng, llama.PROJECTIONS.index(n)) for n in names]
+    with_a = [n + "_lora_a" in p for n in names]
+    if all(with_a) and not (lora.dropout > 0.0 and lora.rng is not None):
+        # x @ [A_q A_k A_v] once; each rank-r slice through its own B
+        a = jnp.concatenate([p[n + "_lora_a"] for n in names], axis=-1).astype(x.dtype)
+        xa = jnp.split(x2 @ a, len(names), axis=-1)
+        delta = jnp.concatenate([s @ p[n + "_lora_b"].astype(x.dtype) for s, n in zip(xa, names)], axis=-1)
+        y = y + (lora.scale * delta).astype(y.dtype)
+    elif any(with_a):  # A's left separate (dropout draws one mask per projection; or LoRA on some only)
+        start = 0
+        for n, r, size, has in zip(names, rngs, sizes, with_a):
+            if has:
+                d = lora_delta(x2, p[n + "_lora_a"], p[n + "_lora_b"], lora.scale, lora.dropout, r)
+                y = y.at[:, start:start + size].add(d.astype(y.dtype))
+            start += size
+    y = y.reshape(*x.shape[:-1], y.shape[-1])
+    if joined:
+        return y
+    return jnp.split(y, np.cumsum(sizes[:-1]).tolist(), axis=-1)
+
+
+# --------------------------------------------------------------------------------------------------
+# SwiGLU with a hand-written backward
+# --------------------------------------------------------------------------------------------------
+def _swiglu_grads(g, u, dh):
+    g, u, dh = g.astype(jnp.float32), u.astype(jnp.float32), dh.astype(jnp.float32)
+    sig = jax.nn.sigmoid(g)
+    return dh * u * sig * (1 + g * (1 - sig)), dh * g * sig  # d silu(g)/dg = sig * (1 + g * (1 - sig))
+
+
+@jax.custom_vjp
+def swiglu_joined(gu):
+    """silu(gate) * up for gu = [..., 2F] (the fused gate_up output, gate first) -> [..., F]; the
+    backward returns d(gu) in that fused layout, which the gate_up matmul's backward reads."""
+    g, u = jnp.split(gu, 2, axis=-1)
+    return jax.nn.silu(g) * u
+
+
+def _swiglu_joined_bwd(gu, dh):
+    return (jnp.concatenate(_swiglu_grads(*jnp.split(gu, 2, axis=-1), dh), axis=-1).astype(gu.dtype),)
+
+
+swiglu_joined.defvjp(lambda gu: (swiglu_joined(gu), gu), _swiglu_joined_bwd)
+
+
+@jax.custom_vjp
+def swiglu_pair(g, u):
+    """silu(g) * u for separate gate and up (unfused kernels), the same backward."""
+    return jax.nn.silu(g) * u
+
+
+def _swiglu_pair_bwd(res, dh):
+    g, u = res
+    dg, du = _swiglu_grads(g, u, dh)
+    return dg.astype(g.dtype), du.astype(u.dtype)
+
+
+swiglu_pair.defvjp(lambda g, u: (swiglu_pair(g, u), (g, u)), _swiglu_pair_bwd)
+
+
+# --------------------------------------------------------------------------------------------------
+# Blocked causal attention with a recomputing backward (flash-attention style)
+# --------------------------------------------------------------------------------------------------
+def query_blocks(T: int, block_rows: int) -> list[tuple[int, int]]:
+    """[(start, stop)] query blocks of `block_rows` rows (one block if T does not divide)."""
+    if block_rows <= 0 or T <= block_rows or T % block_rows:
+        return [(0, T)]
+    return [(i, i + block_rows) for i in range(0, T, block_rows)]
+
+
+def causal_attention(q, k, v, mask, block_rows: int | None = None):
+    """`attention` when query t sees keys s <= t only (S == T: training, evaluation, a prefill without
+    cache), by query blocks; q [B,T,H,hd], k/v [B,T,Hkv,hd], mask [B,T,T] -> [B,T,H,hd].
+
+    block_rows: default T/4 (at least 64): at most 10 block pairs whatever the sequence length (compile
+    time stays flat). The mask still applies inside the computed blocks (packing, padding); a padding
+    row whose keys are all masked gets uniform weights over its block range (its output is never read)."""
+    B, T, H, hd = q.shape
+    block_rows = block_rows or max(64, -(-T // 4))
+    assert k.shape[1] == T, f"causal_attention needs S == T (no cache), got k {k.shape} for q {q.shape}"
+    Hkv = k.shape[2]
+    qg = q.reshape(B, T, Hkv, H // Hkv, hd) * jnp.asarray(1 / math.sqrt(hd), q.dtype)
+    return _blocked(qg, k, v, mask, block_rows).reshape(B, T, H, hd)
+
+
+def _block_fwd(qb, kb, vb, mb):
+    s = _scores(qb, kb, mb)                        # [B, Hkv, G, t, s] float32
+    m = jnp.max(s, axis=-1, keepdims=True)
+    e = jnp.exp(s - m)
+    l = jnp.sum(e, axis=-1, keepdims=True)
+    o = jnp.einsum("bkgts,bskd->btkgd", (e / l).astype(vb.dtype), vb)
+    return o, m, l
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _blocked(qg, k, v, mask, block_rows):
+    return _blocked_fwd(qg, k, v, mask, block_rows)[0]
+
+
+def _blocked_fwd(qg, k, v, mask, block_rows):
+    outs, stats = [], []
+    for a, b in query_blocks(qg.shape[1], block_rows):  # keys 0..b only: the rest are above the diagonal
+        o, m, l = _block_fwd(qg[:, a:b], k[:, :b], v[:, :b], mask[:, a:b, :b])
+        outs.append(o)
+        stats.append((m, l))
+    o = jnp.concatenate(outs, axis=1)
+    return o, (qg, k, v, mask, o, stats)
+
+
+def _blocked_bwd(block_rows, res, do):
+    qg, k, v, mask, o, stats = res
+    dq, dk, dv = [], jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
+    # delta_t = sum_d dO * O = sum_s P * dP (the softmax backward's row term), [B, Hkv, G, T]
+    delta = jnp.einsum("btkgd,btkgd->bkgt", do.astype(jnp.float32), o.astype(jnp.float32))
+    for (a, b), (m, l) in zip(query_blocks(qg.shape[1], block_rows), stats):
+        qb, kb, vb, dob = qg[:, a:b], k[:, :b], v[:, :b], do[:, a:b]
+        p = jnp.exp(_scores(qb, kb, mask[:, a:b, :b]) - m) / l          # recomputed, [B, Hkv, G, t, s]
+        dv = dv.at[:, :b].add(jnp.einsum("bkgts,btkgd->bskd", p.astype(dob.dtype), dob,
+                                         preferred_element_type=jnp.float32))
+        dp = jnp.einsum("btkgd,bskd->bkgts", dob, vb, preferred_element_type=jnp.float32)
+        ds = (p * (dp - delta[..., a:b, None])).astype(qb.dtype)
+        dq.append(jnp.einsum("bkgts,bskd->btkgd", ds, kb))
+        dk = dk.at[:, :b].add(jnp.einsum("bkgts,btkgd->bskd", ds, qb, preferred_element_type=jnp.float32))
+    return jnp.concatenate(dq, axis=1), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_blocked.defvjp(_blocked_fwd, _blocked_bwd)
+
+
+# --------------------------------------------------------------------------------------------------
+# The switch, and the forward the hot paths run
+# --------------------------------------------------------------------------------------------------
+def kernels(fuse: bool) -> Kernels:
+    """The fast kernels; fuse: join q/k/v and gate/up into one matmul each (see the module doc)."""
+    def mlp(p, h, lora):
+        gu = project_group(p, "gate_up", h, lora, fuse, joined=True)
+        return swiglu_joined(gu) if not isinstance(gu, list) else swiglu_pair(*gu)
+
+    return Kernels(qkv=lambda p, h, lora: tuple(project_group(p, "qkv", h, lora, fuse)),
+                   attend=causal_attention, mlp=mlp)
+
+
+def kernels_for(run: Run) -> Kernels:
+    return kernels(fuse=run.act_sharding is None and jax.default_backend() == "cpu")
+
+
+def forward(cfg: LlamaConfig, top: dict, layers, tokens, *, run: Run = Run(), **kw):
+    """`llama.forward` (same arguments and results) with the fast kernels. `layers` may also be a list of
+    per-layer dicts (`layer_views`): the layers then run as an unrolled loop, with a per-layer cache
+    (tuples, `init_cache(per_layer=True)`) or a stacked one; a per-layer cache also works with stacked
+    layers (a prefill scans the stacked weights and hands the decode steps a per-layer cache)."""
+    k = kernels_for(run)
+    cache = kw.get("cache")
+    per_layer_cache = cache is not None and isinstance(cache.k, (tuple, list))
+    if isinstance(layers, (list, tuple)):
+        return _unrolled(cfg, top, layers, tokens, run=run, kernels=k, **kw)
+    if per_layer_cache:
+        kw["cache"] = KVCache(jnp.stack(cache.k), jnp.stack(cache.v), cache.valid)
+        out, new = llama.forward(cfg, top, layers, tokens, run=run, kernels=k, **kw)
+        return out, split_cache(new)
+    return llama.forward(cfg, top, layers, tokens, run=run, kernels=k, **kw)
+
+
+def _unrolled(cfg, top, layer_list, tokens, *, positions=None, segment_ids=None, cache=None,
+              cache_index=None, run: Run = Run(), dropout_rng=None, return_hidden=False, kernels=None):
+    """`llama.forward` over per-layer weights, as a Python loop (compile time grows with depth: for decoding)."""
+    B, T = tokens.shape
+    segment_ids = jnp.ones((B, T), jnp.int32) if segment_ids is None else segment_ids
+    if positions is None:
+        positions = jnp.broadcast_to((cache_index or 0) + jnp.arange(T, dtype=jnp.int32), (B, T))
+    x = jnp.take(top["embed_tokens"], tokens, axis=0).astype(run.dtype)
+    rope, (mask, valid) = rope_tables(cfg, positions), attention_mask(segment_ids, cache, cache_index)
+    ks, vs = [], []
+    for i, p in enumerate(layer_list):
+        rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, i)
+        kv = None if cache is None else (cache.k[i], cache.v[i])
+        x, kv = block(cfg, p, x, rope, mask, kv, cache_index, kernels=kernels,
+                      lora=LoRA(run.lora_scale, run.lora_dropout, rng))
+        if kv is not None:
+            ks.append(kv[0])
+            vs.append(kv[1])
+    x = rms_norm(x, top["norm"], cfg.rms_norm_eps)
+    new = None
+    if cache is not None:  # a stacked cache stays stacked
+        stacked = not isinstance(cache.k, (tuple, list))
+        new = KVCache(jnp.stack(ks) if stacked else tuple(ks), jnp.stack(vs) if stacked else tuple(vs), valid)
+    return (x if return_hidden else head(top, x, run.dtype)), new
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-layer decoding on a CPU
+# --------------------------------------------------------------------------------------------------
+def init_cache(cfg: LlamaConfig, batch: int, max_len: int, dtype=jnp.float32, per_layer: bool = False
+               ) -> KVCache:
+    """`llama.init_cache`, or with per_layer=True one [B, Hkv, S, hd] array per layer (for `layer_views`)."""
+    cache = llama.init_cache(cfg, batch, max_len, dtype)
+    return split_cache(cache) if per_layer else cache
+
+
+def split_cache(cache: KVCache) -> KVCache:
+    """A stacked cache as per-layer tuples (inside a jit: one copy; e.g. after a scanned prefill)."""
+    if isinstance(cache.k, (tuple, list)):
+        return cache
+    L = cache.k.shape[0]
+    return KVCache(tuple(cache.k[i] for i in range(L)), tuple(cache.v[i] for i in range(L)), cache.valid)
+
+
+def layer_views(layers: dict) -> list[dict] | None:
+    """Stacked layer weights [L, ...] as L per-layer dicts that share their memory, or None.
+
+    On the CPU, `jax.device_put` of a numpy view of an array's buffer makes no copy, and we check that it
+    did not. None where that does not hold (an accelerator, a sharded array, a copy made): the decode
+    step then scans the stacked weights."""
+    if jax.default_backend() != "cpu":
+        return None
+    leaves, treedef = jax.tree.flatten(layers)
+    if not leaves or any(not isinstance(a, jax.Array) or len(a.sharding.device_set) != 1 for a in leaves):
+        return None
+    host = [np.asarray(a) for a in leaves]  # zero-copy on the CPU
+    devices = [next(iter(a.sharding.device_set)) for a in leaves]
+    L, n = leaves[0].shape[0], len(leaves)
+    slices = [h[i] for i in range(L) for h in host]
+    views = jax.device_put(slices, devices * L)  # one call for all L x n slices: half the time of one each
+    if any(v.unsafe_buffer_pointer() != h.ctypes.data for v, h in zip(views, slices)):
+        return None  # copied (e.g. a misaligned slice): not worth the memory
+    return [jax.tree.unflatten(treedef, views[i * n:(i + 1) * n]) for i in range(L)]
+
+
+def cpu_compiler_options(kind: str) -> dict | None:
+    """XLA:CPU options for a jitted "decode" or "train" step (None elsewhere: nothing changes there).
+
+    decode: XLA:CPU hands dots to XNNPACK/YNNPACK, which pays off for large matmuls but not for a decode
+    step's few rows (31M benchmark model, batch 8: 97 ms a step with XNNPACK, 37 ms without; with
+    per-layer views, leaving the YNNPACK fusions off too, ~23 ms). train: dots go to Eigen rather than
+    YNNPACK fusions, the same numbers ~1.07x faster on the 31M benchmark step."""
+    if jax.default_backend() != "cpu":
+        return None
+    if kind == "decode":
+        return {"xla_cpu_use_xnnpack": False, "xla_cpu_experimental_ynn_fusion_type": ""}
+    if kind == "train":
+        return {"xla_cpu_experimental_ynn_fusion_type": ""}
+    raise ValueError(f"kind must be 'decode' or 'train', got {kind!r}")
