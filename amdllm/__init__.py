@@ -2,7 +2,7 @@
 
 The package is layered; a module imports only from its own layer or lower ones (tests/test_imports.py):
 
-    L0  config, files, env          configuration, atomic file writes, the machine's facts
+    L0  config, files, env, cpu     configuration, atomic file writes, the machine's facts, CPU back-end options
     L1  model/                      the Llama model, LoRA factors, GPTQ-packed weights
     L2  io/, parallel/              checkpoints, adapters, tokenizers; meshes, rules, the planner
     L3  quant/, infer/              GPTQ and RTN; generation, perplexity, serving

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from amdllm.io.templates import LLAMA3_SPECIALS
 from amdllm.train import data
 from amdllm.config import LlamaConfig
 from amdllm.model import Llama
@@ -23,7 +24,7 @@ def tok():
 @pytest.fixture(scope="module")
 def tok3():
     t = load_tokenizer(TOK_DIR)
-    t.add_special_tokens({"additional_special_tokens": list(data.LLAMA3_SPECIALS)})
+    t.add_special_tokens({"additional_special_tokens": list(LLAMA3_SPECIALS)})
     return t
 
 

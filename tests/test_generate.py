@@ -3,6 +3,8 @@ left-padded batch), EOS handling, KV-cache decoding equals recomputing the whole
 the same tokens as transformers' TopPLogitsWarper, sampling is seeded, the decode step compiles once."""
 from __future__ import annotations
 
+import tempfile
+
 import numpy as np
 import pytest
 
@@ -10,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from amdllm.infer.generate import Decoder, _compiled, generate_ids, pack_prompts, sample_token
+from amdllm.io.checkpoint import load
 from tests.tiny import make_hf_model
 
 PROMPTS = [[1, 5, 9, 22, 17], [1, 40], [1, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]]
@@ -17,37 +20,11 @@ N_NEW = 32
 
 
 def ours_from_hf(hf_model, dtype=jnp.float32):
-    """Our Llama with the weights of a transformers LlamaForCausalLM (transposing [out, in] -> [in, out]).
-
-    Through `amdllm.io.checkpoint` when it is importable (save + load, the real path), else by copying the
-    state dict here (a stand-in while the loader is being written)."""
-    import tempfile
-    try:
-        from amdllm.io.checkpoint import load
-    except ImportError:
-        load = None
-    if load is not None:
-        with tempfile.TemporaryDirectory() as d:
-            hf_model.save_pretrained(d)
-            return load(d, dtype=dtype)
-    from flax import nnx
-    from amdllm.config import LlamaConfig
-    from amdllm.model import PROJECTIONS, Llama
-    cfg = LlamaConfig.from_dict(hf_model.config.to_dict())
-    m = Llama(cfg, rngs=nnx.Rngs(0), dtype=dtype)
-    sd = {k: v.detach().float().numpy() for k, v in hf_model.state_dict().items()}
-    m.embed_tokens.value = jnp.asarray(sd["model.embed_tokens.weight"])
-    m.norm.value = jnp.asarray(sd["model.norm.weight"])
-    if not cfg.tie_word_embeddings:
-        m.lm_head.value = jnp.asarray(sd["lm_head.weight"].T)
-    L = range(cfg.num_hidden_layers)
-    for n in ("input_layernorm", "post_attention_layernorm"):
-        getattr(m.layers, n).value = jnp.asarray(np.stack([sd[f"model.layers.{i}.{n}.weight"] for i in L]))
-    for n in PROJECTIONS:
-        sub = "self_attn" if n[0] in "qkvo" else "mlp"
-        w = np.stack([sd[f"model.layers.{i}.{sub}.{n}.weight"].T for i in L])
-        getattr(m.layers, n).value = jnp.asarray(w)
-    return m
+    """Our Llama with the weights of a transformers LlamaForCausalLM, through the real path: transformers
+    saves the checkpoint, `amdllm.io.checkpoint.load` reads it."""
+    with tempfile.TemporaryDirectory() as d:
+        hf_model.save_pretrained(d)
+        return load(d, dtype=dtype)
 
 
 @pytest.fixture(scope="module")

@@ -172,13 +172,13 @@ def test_table_and_pictures(capsys):
     assert sum(r["bytes"] for r in rows) == cfg.num_params() * 4
     text = S.format_table(rows)
     assert "layers/q_proj" in text and "total" in text and "(None, 'fsdp', 'tensor')" in text
-    fig = plots.plot_layer_sharding(cfg, mesh, "fsdp_tp")
+    fig = plots.layer_sharding(cfg, mesh, "fsdp_tp")
     assert isinstance(fig, matplotlib.figure.Figure)
     titled = [a for a in fig.axes if a.get_title()]
-    assert len(titled) == 9  # q k v o gate up down + 2 norms
+    assert len(titled) == 7  # q k v o gate up down (the norms are replicated; the figure's title says so)
     q_ax = next(a for a in titled if a.get_title().startswith("q_proj"))
     labels = sorted(t.get_text() for t in q_ax.texts)
-    assert labels == ["0,4", "1,5", "2,6", "3,7"]  # 4 blocks, each held by the 2 data replicas
+    assert labels == ["d0,4", "d1,5", "d2,6", "d3,7"]  # 4 blocks, each held by the 2 data replicas
     matplotlib.pyplot.close(fig)
     arr = jax.device_put(jnp.zeros((2, 64, 64)), NamedSharding(mesh, P(None, "fsdp", "tensor")))
     plots.show_array_sharding(arr)

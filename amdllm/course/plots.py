@@ -12,7 +12,6 @@ import jax
 import matplotlib.pyplot as plt
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from matplotlib.patches import Rectangle
 
 from amdllm.parallel.sharding import ShardingError, param_specs
 
@@ -247,38 +246,3 @@ def show_array_sharding(x, mesh: Mesh | None = None, spec=None, **kw):
     if len(shape) != 2:
         raise ShardingError(f"show_array_sharding draws 2-D arrays (or one layer of a 3-D stack); got shape {shape}")
     return jax.debug.visualize_sharding(shape, sharding, **kw)
-
-
-def plot_layer_sharding(model_or_cfg, mesh: Mesh, rules=None, *, strict: bool = True, max_cols: int = 4):
-    """A matplotlib Figure: each parameter of one decoder layer as a rectangle [in x out], cut into
-    the blocks the devices hold; a block's label lists the devices holding it (replicas share one)."""
-    specs = {n: s for n, s in param_specs(model_or_cfg, mesh, rules, strict=strict).items()
-             if n.startswith("layers/")}
-    cols = min(max_cols, len(specs))
-    rows = -(-len(specs) // cols)
-    fig, axs = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.0 * rows), squeeze=False)
-    cmap = plt.get_cmap("tab10" if mesh.size <= 10 else "tab20")
-    for ax, (name, (shape, _, spec, _)) in zip(axs.flat, specs.items()):
-        shp, sp = _layer_view(shape, spec)
-        if len(shp) == 1:  # a norm: draw it as a 1 x D strip
-            shp, sp = (1,) + shp, P(None, *tuple(sp))
-        blocks: dict[tuple, list[int]] = {}
-        for dev, idx in NamedSharding(mesh, sp).devices_indices_map(shp).items():
-            key = tuple((s.start or 0, s.stop if s.stop is not None else n) for s, n in zip(idx, shp))
-            blocks.setdefault(key, []).append(dev.id)
-        for (r, c), ids in blocks.items():
-            ids = sorted(ids)
-            ax.add_patch(Rectangle((c[0], r[0]), c[1] - c[0], r[1] - r[0], facecolor=cmap(ids[0] % cmap.N),
-                                   edgecolor="black", alpha=0.8))
-            label = ",".join(map(str, ids)) if len(ids) <= 4 else f"{ids[0]}..{ids[-1]} ({len(ids)})"
-            ax.text((c[0] + c[1]) / 2, (r[0] + r[1]) / 2, label, ha="center", va="center", fontsize=7)
-        ax.set_xlim(0, shp[1])
-        ax.set_ylim(shp[0], 0)
-        ax.set_title(f"{name.split('/', 1)[1]} {shp[0]}x{shp[1]}\nP{tuple(sp)}", fontsize=8)
-        ax.tick_params(labelsize=6)
-    for ax in list(axs.flat)[len(specs):]:
-        ax.axis("off")
-    desc = ", ".join(f"{a}={n}" for a, n in mesh.shape.items())
-    fig.suptitle(f"one layer on mesh ({desc}); labels = device ids", fontsize=10)
-    fig.tight_layout()
-    return fig

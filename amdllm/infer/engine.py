@@ -34,7 +34,8 @@ import numpy as np
 
 from amdllm.infer.decode import decode_run, last_logits, sample_token, step_logits
 from amdllm.model import KVCache, to_pure
-from amdllm.model.fast import cpu_compiler_options, init_cache, layer_views
+from amdllm.cpu import cpu_compiler_options
+from amdllm.model.fast import init_cache, layer_views
 from amdllm.io.tokenizer import pad_id as tokenizer_pad_id
 
 log = logging.getLogger("amdllm.infer.engine")

@@ -31,7 +31,8 @@ from amdllm.io.peft import load_adapter
 from amdllm.io.tokenizer import load_tokenizer, pad_id
 from amdllm.infer.decode import decode_run, last_logits, sample_token, step_logits
 from amdllm.model import KVCache, to_pure
-from amdllm.model.fast import cpu_compiler_options, init_cache, layer_views, split_cache
+from amdllm.cpu import cpu_compiler_options
+from amdllm.model.fast import init_cache, layer_views, split_cache
 
 PROMPT_BUCKET = 16
 CACHE_BUCKET = 64

@@ -4,7 +4,7 @@ Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (`str
 server-sent events in OpenAI's chunk format, ending with `data: [DONE]`), GET / (the chat page).
 Every error has OpenAI's shape {"error": {"message", "type", "param", "code"}} and a 4xx status, so
 the official clients raise their usual exceptions; the server keeps serving after any of them.
-The model runs in the engine's worker thread (amdllm/engine.py); handlers only queue requests and await
+The model runs in the engine's worker thread (amdllm/infer/engine.py); handlers only queue requests and await
 events that the worker posts with `loop.call_soon_threadsafe`, so the event loop never blocks.
 Extension: `"return_token_ids": true` (OpenAI clients: `extra_body=`) adds the new token ids to a choice.
 """
@@ -19,6 +19,7 @@ from pathlib import Path
 
 from amdllm.infer.engine import Engine, Request, new_id, now
 from amdllm.infer.generate import load_model
+from amdllm.io.templates import render_chat
 
 STATIC = Path(__file__).resolve().parent / "static"
 
@@ -57,24 +58,6 @@ def _stops(body: dict) -> list[str]:
         raise APIError(400, f"'stop' must be a string or a list of up to 4 strings, got {body['stop']!r}",
                        "stop", "invalid_type")
     return [s for s in stop if s]
-
-
-def chat_text(tokenizer, messages: list[dict]) -> tuple[str, list[str]]:
-    """(prompt text with its special tokens written out, implicit stop strings). The tokenizer's own chat
-    template when it has one; otherwise the course's chat templates (amdllm/data.py's docstring): the Llama 3
-    header format when the tokenizer knows its special tokens, else "### Role:" blocks ending with
-    "### Assistant:". The plain template adds the stop "\n### " so a base model does not write the next turn."""
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), []
-    bos, eos = tokenizer.bos_token or "", tokenizer.eos_token or ""
-    vocab = tokenizer.get_vocab()
-    if all(t in vocab for t in ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")):
-        text = "".join(f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content']}<|eot_id|>"
-                       for m in messages)
-        return bos + text + "<|start_header_id|>assistant<|end_header_id|>\n\n", []
-    text = "".join(f"### {m['role'].capitalize()}:\n{m['content']}" + (eos if m["role"] == "assistant" else "")
-                   + "\n\n" for m in messages)
-    return bos + text + "### Assistant:\n", ["\n### "]
 
 
 def _messages(body: dict) -> list[dict]:
@@ -170,7 +153,7 @@ def parse_completion(body: dict, tokenizer, cfg: ServerConfig, context: int) -> 
 
 
 def parse_chat(body: dict, tokenizer, cfg: ServerConfig, context: int) -> Parsed:
-    text, stops = chat_text(tokenizer, _messages(body))
+    text, stops = render_chat(tokenizer, _messages(body))
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])  # the text holds BOS already
     p = Parsed(body, ids, cfg, context, chat=True)
     p.stop += [s for s in stops if s not in p.stop]

@@ -16,7 +16,7 @@ numbers (tests/test_fast.py checks every one against the textbook), and is on wh
   * Per-layer decoding (`layer_views` + the unrolled loop in `forward`): on a CPU, a decode step reads
     each layer's weights where they lie instead of XLA copying every layer's slice out of the stack
     (most of a decode step's time); zero-copy views, so no memory is spent. CPU only.
-The XLA:CPU compiler options the jitted steps use are here too (`cpu_compiler_options`).
+The XLA:CPU compiler options the jitted steps use are in `amdllm.cpu`.
 """
 from __future__ import annotations
 
@@ -277,19 +277,3 @@ def layer_views(layers: dict) -> list[dict] | None:
     if any(v.unsafe_buffer_pointer() != h.ctypes.data for v, h in zip(views, slices)):
         return None  # copied (e.g. a misaligned slice): not worth the memory
     return [jax.tree.unflatten(treedef, views[i * n:(i + 1) * n]) for i in range(L)]
-
-
-def cpu_compiler_options(kind: str) -> dict | None:
-    """XLA:CPU options for a jitted "decode" or "train" step (None elsewhere: nothing changes there).
-
-    decode: XLA:CPU hands dots to XNNPACK/YNNPACK, which pays off for large matmuls but not for a decode
-    step's few rows (31M benchmark model, batch 8: 97 ms a step with XNNPACK, 37 ms without; with
-    per-layer views, leaving the YNNPACK fusions off too, ~23 ms). train: dots go to Eigen rather than
-    YNNPACK fusions, the same numbers ~1.07x faster on the 31M benchmark step."""
-    if jax.default_backend() != "cpu":
-        return None
-    if kind == "decode":
-        return {"xla_cpu_use_xnnpack": False, "xla_cpu_experimental_ynn_fusion_type": ""}
-    if kind == "train":
-        return {"xla_cpu_experimental_ynn_fusion_type": ""}
-    raise ValueError(f"kind must be 'decode' or 'train', got {kind!r}")

@@ -17,7 +17,7 @@ row's extreme weight sits exactly on a .5 rounding tie, and XLA:CPU's vectorised
 correctly rounded, so one ulp decides the code and the error feedback spreads the flip.)
 
 Where it runs: the upper Cholesky factor of H^-1 on the host when JAX runs on the CPU (LAPACK in
-float32, the reference's torch sequence, on ONE OpenBLAS thread: see `_one_blas_thread`), by XLA on
+float32, the reference's torch sequence, on ONE OpenBLAS thread: see `amdllm.cpu.one_blas_thread`), by XLA on
 the device otherwise (retried with more dampening either way: `hessian_inverse`); everything else in
 ONE compiled function per weight shape and settings (`_gptq_core`: lax.scan over
 blocks, fori_loop over a block's columns), so a model's layers of identical shapes compile once and
@@ -29,9 +29,6 @@ re-exports the public names of all of them.
 """
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import os
 import warnings
 from dataclasses import dataclass
 from functools import partial
@@ -41,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from scipy.linalg import lapack
 
+from amdllm.cpu import one_blas_thread
 from amdllm.model.quantized import pack_cols, pack_rows
 
 SOLVER_BITS = (2, 3, 4, 8)
@@ -199,32 +197,6 @@ def _solve_block(W1, U1, col_s, col_z, s, z, *, maxq, sym, gdyn, scale_dtype):
     return Q1, C1, E1, S1, Z1, s, z
 
 
-@contextlib.contextmanager
-def _one_blas_thread():
-    """Run the host factorisation on one OpenBLAS thread (numpy's and scipy's bundled copies; the
-    same symbols threadpoolctl uses, which .venv does not have). With the default thread count each
-    call left OpenBLAS threads spinning that took the cores from XLA: `quantize_model` on the course
-    model took 2.4x the CPU time (46.7 vs 19.6 CPU-s). One thread also makes the factor independent
-    of the machine's core count (OpenBLAS's blocking changes the float32 rounding)."""
-    found = []
-    for path in sorted({ln.split()[-1] for ln in open("/proc/self/maps") if "openblas" in ln.lower()}
-                       if os.path.exists("/proc/self/maps") else ()):
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        for pre, suf in (("", ""), ("", "64_"), ("scipy_", ""), ("scipy_", "64_")):
-            get, set_ = (getattr(lib, f"{pre}openblas_{f}_num_threads{suf}", None) for f in ("get", "set"))
-            if get is not None and set_ is not None:
-                found.append((set_, get()))
-                set_(1)
-    try:
-        yield
-    finally:
-        for set_, n in found:
-            set_(n)
-
-
 def _chol_inv_upper(H, damp):
     """Upper U with U^T U = (H + damp I)^-1, or None if H + damp I is not positive definite:
     LAPACK potrf -> potri -> potrf(upper) in float32 on the host, the reference's torch sequence
@@ -265,7 +237,7 @@ def hessian_inverse(H, percdamp: float, where: str = "layer", on_host: bool | No
     p = percdamp
     while p < 1.0:
         if on_host:
-            with _one_blas_thread():
+            with one_blas_thread():
                 U = _chol_inv_upper(H, p * mean_diag)
         else:
             U, ok = _chol_inv_upper_device(H, jnp.float32(p * mean_diag))
@@ -335,7 +307,7 @@ def _gptq_core(W, U, dead, perm, *, maxq, sym, G, B, static_groups, scale_dtype)
 
 
 def core_kwargs(spec: QuantSpec, scale_dtype=jnp.float16) -> dict:
-    """The static settings `_gptq_core` is compiled for (also used to compile it ahead, gptq_calib)."""
+    """The static settings `_gptq_core` is compiled for (also what amdllm.quant.calibrate compiles ahead)."""
     return dict(maxq=spec.maxq, sym=spec.sym, G=spec.group_size, B=spec.blocksize,
                 static_groups=spec.static_groups and spec.group_size != -1, scale_dtype=jnp.dtype(scale_dtype).name)
 
@@ -407,5 +379,5 @@ def errors_vs_rtn(W, Q, H, spec: QuantSpec, scale_dtype=jnp.float16, h_scale: fl
 
 
 def errors_kwargs(spec: QuantSpec, K: int, scale_dtype=jnp.float16) -> dict:
-    """The static settings `_errors_vs_rtn` is compiled for, in_features K (also gptq_calib's compile-ahead)."""
+    """The static settings `_errors_vs_rtn` is compiled for, in_features K (also amdllm.quant.calibrate's compile-ahead)."""
     return dict(maxq=spec.maxq, sym=spec.sym, G=spec.groups(K), scale_dtype=jnp.dtype(scale_dtype).name)

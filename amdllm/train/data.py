@@ -4,15 +4,10 @@ Three row shapes (detected per row):
   Alpaca  {"instruction": str, "input": str (optional), "output": str}
   chat    {"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}
   plain   {"text": str}
-Templates:
-  * Llama 3 chat format when the tokenizer has <|start_header_id|>, <|end_header_id|> and <|eot_id|>:
-      <|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n{instruction}\n\n{input}<|eot_id|>
-      <|start_header_id|>assistant<|end_header_id|>\n\n{output}<|eot_id|>
-    (an Alpaca row is one user turn + one assistant turn; <|eot_id|> ends each assistant reply).
-  * Otherwise the plain template (BOS first if the tokenizer has one):
-      ### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n{output}<EOS>
-    ("### Input" is left out when there is no input; chat turns become "### System:", "### User:",
-    "### Assistant:" blocks, each followed by a blank line).
+Templates: `amdllm.io.templates` (the server renders chat prompts with the same functions): Llama 3's
+header format when the tokenizer has its special tokens, else the plain "### Instruction:" / "### Input:"
+/ "### Response:" layout for Alpaca rows and "### User:" / "### Assistant:" blocks for chat rows, BOS
+first when the tokenizer has one.
 Loss is computed only on response tokens (every assistant reply and the end token after it); a plain
 {"text"} row is trained on all its tokens except BOS. The prompt for exact-match evaluation is the
 template up to and including the response header (`prompt_ids`).
@@ -25,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
+from amdllm.io.templates import alpaca_pieces, chat_pieces, is_llama3_chat
 from amdllm.io.tokenizer import pad_id
 
-LLAMA3_SPECIALS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
 
 
 class DataError(ValueError):
@@ -93,44 +88,14 @@ def row_shape(row: dict, where: str) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
-# Templates: row -> pieces of (text or special token, trained?)
+# Templates (amdllm.io.templates, shared with the server): row -> pieces of (text, trained?)
 # --------------------------------------------------------------------------------------------------
-def is_llama3_chat(tokenizer) -> bool:
-    vocab = tokenizer.get_vocab()
-    return all(t in vocab for t in LLAMA3_SPECIALS)
-
-
-def _messages(row: dict, shape: str) -> list[dict]:
-    if shape == "chat":
-        return row["messages"]
-    user = row["instruction"] + ("\n\n" + row["input"] if row.get("input") else "")
-    return [{"role": "user", "content": user}, {"role": "assistant", "content": row["output"]}]
-
-
 def _pieces(row: dict, shape: str, llama3: bool, eos: str) -> list[tuple[str, bool]]:
-    """Template as [(text, trained)] up to the last assistant reply; specials are literal strings."""
     if shape == "plain":
         return [(row["text"] + eos, True)]
-    if llama3:
-        out = []
-        for m in _messages(row, shape):
-            out.append((f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n", False))
-            trained = m["role"] == "assistant"
-            out.append((m["content"] + "<|eot_id|>", trained))  # the end token is learned too
-        return out
     if shape == "alpaca":
-        p = f"### Instruction:\n{row['instruction']}\n\n"
-        if row.get("input"):
-            p += f"### Input:\n{row['input']}\n\n"
-        return [(p + "### Response:\n", False), (row["output"] + eos, True)]
-    out = []
-    for m in row["messages"]:
-        out.append((f"### {m['role'].capitalize()}:\n", False))
-        if m["role"] == "assistant":
-            out += [(m["content"] + eos, True), ("\n\n", False)]
-        else:
-            out.append((m["content"] + "\n\n", False))
-    return out
+        return alpaca_pieces(row, llama3, eos)
+    return chat_pieces(row["messages"], llama3, eos)
 
 
 def encode_row(row: dict, tokenizer, shape: str | None = None, where: str = "row") -> tuple[list[int], list[int]]:

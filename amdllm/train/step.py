@@ -27,7 +27,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from amdllm.model import Llama, LoRAParam, forward, token_nll
-from amdllm.model.fast import cpu_compiler_options
+from amdllm.cpu import cpu_compiler_options
 from amdllm.parallel import plan
 from amdllm.parallel.sharding import batch_sharding
 from amdllm.train import data as data_mod

@@ -1,0 +1,52 @@
+"""What the CPU back end needs to run fast, in one place: XLA:CPU compiler options for the jitted decode and
+training steps, and one OpenBLAS thread for GPTQ's host-side factorisation. (The model's own CPU fast paths,
+fused projections and per-layer decoding, are in `amdllm.model.fast`.)"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+
+import jax
+
+
+def cpu_compiler_options(kind: str) -> dict | None:
+    """XLA:CPU options for a jitted "decode" or "train" step (None elsewhere: nothing changes there).
+
+    decode: XLA:CPU hands dots to XNNPACK/YNNPACK, which pays off for large matmuls but not for a decode
+    step's few rows (31M benchmark model, batch 8: 97 ms a step with XNNPACK, 37 ms without; with
+    per-layer views, leaving the YNNPACK fusions off too, ~23 ms). train: dots go to Eigen rather than
+    YNNPACK fusions, the same numbers ~1.07x faster on the 31M benchmark step."""
+    if jax.default_backend() != "cpu":
+        return None
+    if kind == "decode":
+        return {"xla_cpu_use_xnnpack": False, "xla_cpu_experimental_ynn_fusion_type": ""}
+    if kind == "train":
+        return {"xla_cpu_experimental_ynn_fusion_type": ""}
+    raise ValueError(f"kind must be 'decode' or 'train', got {kind!r}")
+
+
+@contextlib.contextmanager
+def one_blas_thread():
+    """Run the host factorisation on one OpenBLAS thread (numpy's and scipy's bundled copies; the
+    same symbols threadpoolctl uses, which .venv does not have). With the default thread count each
+    call left OpenBLAS threads spinning that took the cores from XLA: `quantize_model` on the course
+    model took 2.4x the CPU time (46.7 vs 19.6 CPU-s). One thread also makes the factor independent
+    of the machine's core count (OpenBLAS's blocking changes the float32 rounding)."""
+    found = []
+    for path in sorted({ln.split()[-1] for ln in open("/proc/self/maps") if "openblas" in ln.lower()}
+                       if os.path.exists("/proc/self/maps") else ()):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for pre, suf in (("", ""), ("", "64_"), ("scipy_", ""), ("scipy_", "64_")):
+            get, set_ = (getattr(lib, f"{pre}openblas_{f}_num_threads{suf}", None) for f in ("get", "set"))
+            if get is not None and set_ is not None:
+                found.append((set_, get()))
+                set_(1)
+    try:
+        yield
+    finally:
+        for set_, n in found:
+            set_(n)
