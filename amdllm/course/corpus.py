@@ -129,7 +129,7 @@ def corpus(n_stories: int, seed: int) -> str:
 # color, one place, one number...); the other words are distractors of other kinds. A first version
 # put two entities of the answer's kind in each input ("The red fox met the blue owl." / "What color is
 # the owl?"): that needs the model to bind the color to its animal, and a 3.6M model with a rank-8
-# adapter stays near 40% after minutes of training (BENCHMARKS.md, "The course task").
+# adapter stays near 40% after minutes of training (docs/benchmark-history.md, "The course task").
 # --------------------------------------------------------------------------------------------------
 def _task_animal(rng):
     animal, color, place = rng.choice(list(ANIMALS)), rng.choice(COLORS), rng.choice(PLACES)

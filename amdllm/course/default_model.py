@@ -59,7 +59,7 @@ VOCAB_MULTIPLE = 64  # the embedding rows are padded up to this (shards evenly o
 # Training recipe: 1500 steps x 8 x 256 = 3.1M tokens (~8 passes over the corpus), ~3,150 CPU-seconds.
 # 150 steps x 4 (the first recipe, built on first use in ~3 minutes) reached perplexity 2.90 but never
 # learned to copy a word from its context, so no short LoRA run could teach it the course task
-# (BENCHMARKS.md, "The course task"). seq_len equals the evaluation window, so every position
+# (docs/benchmark-history.md, "The course task"). seq_len equals the evaluation window, so every position
 # `amdllm eval` uses has been trained.
 TRAIN = dict(seed=0, steps=1500, batch_size=8, seq_len=256, lr=3e-3, warmup=75, weight_decay=0.1, clip=1.0)
 COMMITTED = "default_model"  # the committed build, under data/
