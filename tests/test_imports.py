@@ -32,7 +32,7 @@ def layer(mod: str) -> int:
 
 
 def imports(path: Path, known: dict[str, Path]):
-    """(target module, line, local?) for every amdllm import in the file; `from pkg import sub` -> pkg.sub."""
+    """(target module, line, local?) for every amdllm import in the file (`import a.b` -> a.b)."""
     tree = ast.parse(path.read_text())
     local = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
              for n in ast.walk(f) if isinstance(n, (ast.Import, ast.ImportFrom))}
@@ -40,8 +40,9 @@ def imports(path: Path, known: dict[str, Path]):
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
-                       for a in node.names]
+            # `from pkg import x` runs pkg/__init__.py: an edge to pkg, and to pkg.x when x is a module
+            targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names
+                                       if f"{node.module}.{a.name}" in known]
         else:
             continue
         for t in targets:

@@ -18,6 +18,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from amdllm.course import nbclean
 from amdllm.course import notebooks as nbrun
 
 PRESENT = [n for n in nbrun.NOTEBOOKS if (nbrun.NOTEBOOK_DIR / f"{n}.ipynb").exists()]
@@ -70,7 +71,7 @@ def test_params_are_resolved_for_the_kernel_and_checked(tmp_path, monkeypatch):
 
 
 def test_committed_notebooks_are_stripped():
-    found = nbrun.strip(check=True)
+    found = nbclean.strip(check=True)
     assert not found, "notebooks with outputs (run `python -m amdllm.course.notebooks strip`): " + json.dumps(found)
 
 
@@ -81,11 +82,11 @@ def test_strip_removes_outputs(tmp_path):
     nb.metadata["papermill"] = {"duration": 1.0}
     path = tmp_path / "x.ipynb"
     nbformat.write(nb, path)
-    assert len(nbrun.dirty_cells(nbformat.read(path, as_version=4))) == 3
-    assert str(path) in nbrun.strip([str(path)], check=True)  # check mode reports...
-    assert nbrun.dirty_cells(nbformat.read(path, as_version=4))  # ...and does not modify
-    nbrun.strip([str(path)])
-    assert nbrun.dirty_cells(nbformat.read(path, as_version=4)) == []
+    assert len(nbclean.dirty_cells(nbformat.read(path, as_version=4))) == 3
+    assert str(path) in nbclean.strip([str(path)], check=True)  # check mode reports...
+    assert nbclean.dirty_cells(nbformat.read(path, as_version=4))  # ...and does not modify
+    nbclean.strip([str(path)])
+    assert nbclean.dirty_cells(nbformat.read(path, as_version=4)) == []
 
 
 def test_solutions_compile():

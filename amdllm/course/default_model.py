@@ -42,7 +42,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from amdllm.config import LlamaConfig
-from amdllm.course import corpus
+import amdllm.course.corpus as corpus
 from amdllm.files import atomic_write_text
 from amdllm.infer.evaluate import perplexity
 from amdllm.infer.generate import generate_ids

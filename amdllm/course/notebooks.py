@@ -29,8 +29,8 @@ the LoRA step, perplexity, GPTQ's solver) for the same small model, and on 2 CPU
 large share of a lesson's time. The cache is keyed by the computation and the JAX version, so it can
 only skip work, never change a result.
 
-`strip` removes outputs, execution counts and per-run metadata (papermill's, widget state) so that
-notebooks are committed clean; `--check` only reports and exits 1 if any notebook is not clean.
+`strip` (amdllm.course.nbclean) removes outputs, execution counts and per-run metadata (papermill's,
+widget state) so that notebooks are committed clean; `--check` only reports and exits 1 if any is not.
 """
 from __future__ import annotations
 
@@ -50,14 +50,13 @@ import warnings
 from pathlib import Path
 
 from amdllm.course.default_model import amdllm_home
+from amdllm.course.nbclean import NOTEBOOK_DIR, REPO, strip
 from amdllm.files import atomic_write_text
 
 # Imports note: the notebook tooling (papermill, nbformat, ipykernel, jupyter_client) is imported where it
 # is used: nbformat alone costs seconds (jsonschema), and every notebook's final cell imports this module
 # for `record`.
 
-REPO = Path(__file__).resolve().parents[2]
-NOTEBOOK_DIR = REPO / "notebooks"
 KERNEL_NAME = "amdllm"
 KERNEL_DISPLAY_NAME = "amdllm (.venv)"
 NOTEBOOKS = ("00_setup", "01_weight_conversion", "02_mesh_sharding", "03_lora_finetuning",
@@ -289,9 +288,10 @@ def run(out: str | os.PathLike, *, quick: bool = False, only: list[str] | None =
         timeout: int = 1200, parameters: dict | None = None,
         compile_cache: str | os.PathLike | None = None) -> list[dict]:
     names = resolve(only)
-    unknown = set(parameters or {}) - {p for n in names for p in declared_parameters(n)}
+    declared = {p for n in names for p in declared_parameters(n)}
+    unknown = set(parameters or {}) - declared
     if unknown:
-        known = sorted({p for n in names for p in declared_parameters(n)} - {"quick", "results_path", "work_dir"})
+        known = sorted(declared - {"quick", "results_path", "work_dir"})
         raise ValueError(f"--param {', '.join(sorted(unknown))}: no selected notebook has such a parameter "
                          f"(they have: {', '.join(known)})")
     recs = []
@@ -357,60 +357,6 @@ def summary_text(recs: list[dict]) -> str:
     lines += ["=" * 72, f"{n_ok}/{len(recs)} notebooks ran and passed their checks in {total / 60:.1f} min "
                         f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)"]
     return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------------------------------
-# Stripping: committed notebooks carry no outputs, counts or run metadata
-# --------------------------------------------------------------------------------------------------
-_RUN_METADATA = ("papermill", "widgets", "execution")
-
-
-def dirty_cells(nb) -> list[str]:
-    """Why this notebook is not clean: one line per offending cell/field (empty list = clean)."""
-    problems = [f"notebook metadata '{k}'" for k in _RUN_METADATA if k in nb.metadata]
-    for i, cell in enumerate(nb.cells):
-        if cell.cell_type != "code":
-            continue
-        if cell.get("outputs"):
-            problems.append(f"cell {i}: has outputs")
-        if cell.get("execution_count") is not None:
-            problems.append(f"cell {i}: execution_count {cell.execution_count}")
-        if any(k in cell.metadata for k in _RUN_METADATA):
-            problems.append(f"cell {i}: run metadata")
-    return problems
-
-
-def strip_notebook(nb):
-    for k in _RUN_METADATA:
-        nb.metadata.pop(k, None)
-    for cell in nb.cells:
-        for k in _RUN_METADATA:
-            cell.metadata.pop(k, None)
-        if cell.cell_type == "code":
-            cell.outputs = []
-            cell.execution_count = None
-    return nb
-
-
-def notebook_paths(paths: list[str] | None = None) -> list[Path]:
-    if paths:
-        return [Path(p) for p in paths]
-    return sorted(NOTEBOOK_DIR.glob("*.ipynb")) + sorted((NOTEBOOK_DIR / "solutions").glob("*.ipynb"))
-
-
-def strip(paths: list[str] | None = None, check: bool = False) -> dict[str, list[str]]:
-    """Strip (or with check=True only inspect) notebooks; returns {path: problems found}."""
-    import nbformat  # notebook tooling: see the imports note above
-
-    found = {}
-    for path in notebook_paths(paths):
-        nb = nbformat.read(path, as_version=4)
-        problems = dirty_cells(nb)
-        if problems:
-            found[str(path)] = problems
-            if not check:
-                atomic_write_text(path, nbformat.writes(strip_notebook(nb)) + "\n")
-    return found
 
 
 def main(argv: list[str] | None = None) -> int:

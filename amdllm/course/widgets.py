@@ -13,7 +13,7 @@ import ipywidgets as W
 from IPython.display import display
 
 from amdllm.config import PRESETS
-from amdllm.course import plots
+import amdllm.course.plots as plots
 from amdllm.parallel import plan as plan_mod
 from amdllm.parallel.sharding import RULES
 

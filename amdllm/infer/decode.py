@@ -14,8 +14,9 @@ from amdllm.model.fast import forward
 from amdllm.model.layers import head
 
 
-def decode_run(model) -> Run:
-    """How a decoder runs `model`: its compute dtype and LoRA scale; on a mesh, its activation sharding."""
+def inference_run(model) -> Run:
+    """How inference (decoding, perplexity) runs `model`: its compute dtype and LoRA scale, and on a mesh its
+    activation sharding (the hidden states stay split by batch); no remat, no dropout."""
     return Run(model.dtype, lora_scale=float(model.lora_scale), act_sharding=getattr(model, "act_sharding", None))
 
 

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from amdllm.infer.decode import decode_run, last_logits, sample_token, step_logits
+from amdllm.infer.decode import inference_run, last_logits, sample_token, step_logits
 from amdllm.model import KVCache, to_pure
 from amdllm.cpu import cpu_compiler_options
 from amdllm.model.fast import init_cache, layer_views
@@ -154,7 +154,7 @@ class Engine:
 
     # ---------------------------------------------------------------- compiled pure functions
     def _build(self, model):
-        cfg, run = self.cfg, decode_run(model)
+        cfg, run = self.cfg, inference_run(model)
 
         def sample_rows(logits, keys, k, temp, top_p):
             # logits [B, V], keys [B, 2], k [B] token index per row -> [B]; generate's key schedule

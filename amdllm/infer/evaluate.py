@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from amdllm.model import Run, forward, to_pure
+from amdllm.infer.decode import inference_run
+from amdllm.model import forward, to_pure
 
 _COMPILED: dict = {}
 
@@ -42,8 +43,7 @@ def _nll_fn(model):
     key = (json.dumps(cfg.to_dict(), sort_keys=True, default=str), str(model.dtype),
            float(model.lora_scale), getattr(model, "act_sharding", None))
     if key not in _COMPILED:
-        # a sharded model keeps its hidden states split by batch (act_sharding)
-        run = Run(model.dtype, lora_scale=float(model.lora_scale), act_sharding=getattr(model, "act_sharding", None))
+        run = inference_run(model)
 
         @jax.jit
         def nll_sum(top, layers, tokens, segment_ids):

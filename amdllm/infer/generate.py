@@ -29,7 +29,7 @@ import numpy as np
 from amdllm.io import checkpoint
 from amdllm.io.peft import load_adapter
 from amdllm.io.tokenizer import load_tokenizer, pad_id
-from amdllm.infer.decode import decode_run, last_logits, sample_token, step_logits
+from amdllm.infer.decode import inference_run, last_logits, sample_token, step_logits
 from amdllm.model import KVCache, to_pure
 from amdllm.cpu import cpu_compiler_options
 from amdllm.model.fast import init_cache, layer_views, split_cache
@@ -55,7 +55,7 @@ def _compiled(model):
            float(model.lora_scale), getattr(model, "act_sharding", None))
     if key in _COMPILED:
         return _COMPILED[key]
-    run = decode_run(model)
+    run = inference_run(model)
 
     def prefill(top, layers, tokens, positions, segment_ids, key, temperature, top_p, cache_len,
                 per_layer=False):

@@ -28,10 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from amdllm.config import LlamaConfig
-from amdllm.model import llama
+import amdllm.model.llama as llama
 from amdllm.model.attention import _scores
-from amdllm.model.layers import head, lora_delta, rms_norm, rope_tables
-from amdllm.model.llama import KVCache, Kernels, LoRA, Run, attention_mask, block, project
+from amdllm.model.layers import head, lora_delta, rms_norm
+from amdllm.model.llama import KVCache, Kernels, LoRA, Run, block, embed, project
 
 FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
 FUSE_MIN_ROWS = 64  # below this (decoding), copying the kernels costs more than fewer matmuls save
@@ -217,12 +217,7 @@ def forward(cfg: LlamaConfig, top: dict, layers, tokens, *, run: Run = Run(), **
 def _unrolled(cfg, top, layer_list, tokens, *, positions=None, segment_ids=None, cache=None,
               cache_index=None, run: Run = Run(), dropout_rng=None, return_hidden=False, kernels=None):
     """`llama.forward` over per-layer weights, as a Python loop (compile time grows with depth: for decoding)."""
-    B, T = tokens.shape
-    segment_ids = jnp.ones((B, T), jnp.int32) if segment_ids is None else segment_ids
-    if positions is None:
-        positions = jnp.broadcast_to((cache_index or 0) + jnp.arange(T, dtype=jnp.int32), (B, T))
-    x = jnp.take(top["embed_tokens"], tokens, axis=0).astype(run.dtype)
-    rope, (mask, valid) = rope_tables(cfg, positions), attention_mask(segment_ids, cache, cache_index)
+    x, rope, mask, valid = embed(cfg, top, tokens, positions, segment_ids, cache, cache_index, run.dtype)
     ks, vs = [], []
     for i, p in enumerate(layer_list):
         rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, i)

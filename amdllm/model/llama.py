@@ -147,6 +147,16 @@ def attention_mask(segment_ids, cache: KVCache | None, cache_index):
     return (slot <= cache_index + jnp.arange(T)[None, :, None]) & valid[:, None, :], valid
 
 
+def embed(cfg: LlamaConfig, top: dict, tokens, positions, segment_ids, cache, cache_index, dtype):
+    """What every layer reads: (x [B, T, D], rope (cos, sin) [B, T, hd], mask, the cache's valid slots)."""
+    B, T = tokens.shape
+    segment_ids = jnp.ones((B, T), jnp.int32) if segment_ids is None else segment_ids
+    if positions is None:
+        positions = jnp.broadcast_to((cache_index or 0) + jnp.arange(T, dtype=jnp.int32), (B, T))
+    x = jnp.take(top["embed_tokens"], tokens, axis=0).astype(dtype)                     # [B, T, D]
+    return (x, rope_tables(cfg, positions), *attention_mask(segment_ids, cache, cache_index))
+
+
 def forward(cfg: LlamaConfig, top: dict, layers: dict, tokens, *, positions=None, segment_ids=None,
             cache: KVCache | None = None, cache_index=None, run: Run = Run(), dropout_rng=None,
             return_hidden: bool = False, kernels: Kernels = TEXTBOOK):
@@ -155,13 +165,7 @@ def forward(cfg: LlamaConfig, top: dict, layers: dict, tokens, *, positions=None
     top: embed_tokens, norm, lm_head?; layers: the stacked [L, ...] parameters. positions [B, T]: RoPE
     positions (default 0.., from cache_index with a cache); segment_ids [B, T]: equal ids attend to each
     other, 0 marks padding; cache: a KVCache written from slot cache_index."""
-    B, T = tokens.shape
-    segment_ids = jnp.ones((B, T), jnp.int32) if segment_ids is None else segment_ids
-    if positions is None:
-        positions = jnp.broadcast_to((cache_index or 0) + jnp.arange(T, dtype=jnp.int32), (B, T))
-    x = jnp.take(top["embed_tokens"], tokens, axis=0).astype(run.dtype)                 # [B, T, D]
-    rope = rope_tables(cfg, positions)                                                  # [B, T, hd] x2
-    mask, valid = attention_mask(segment_ids, cache, cache_index)
+    x, rope, mask, valid = embed(cfg, top, tokens, positions, segment_ids, cache, cache_index, run.dtype)
 
     def layer(x, xs):  # scanned over the stacked layers
         p, kv, i = xs

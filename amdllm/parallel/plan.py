@@ -44,7 +44,7 @@ import jax.numpy as jnp
 
 from amdllm.model import param_table
 from amdllm.model.lora import normalize_targets
-from amdllm.parallel import sharding as S
+import amdllm.parallel.sharding as S
 
 GB = 1e9
 # Peak dense bf16 FLOP/s per JAX device (vendor data sheets, no sparsity). MI250X: 383 per package;

@@ -22,11 +22,11 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from amdllm import model as M
-from amdllm.model import fast
+import amdllm.model.fast as fast
 from amdllm.model.llama import attention_mask
 from amdllm.config import LlamaConfig
 from amdllm.model.quantized import QuantLinear
-from amdllm.quant import gptq
+import amdllm.quant.gptq as gptq
 from amdllm.quant.gptq import GPTQError
 
 UNFUSED = fast.kernels(fuse=False)

@@ -24,9 +24,9 @@ from tqdm.auto import tqdm
 from amdllm.files import atomic_write_bytes, atomic_write_text
 from amdllm.io.peft import save_adapter
 from amdllm.model import Llama
-from amdllm.model import lora as lora_mod
+import amdllm.model.lora as lora_mod
 from amdllm.parallel.sharding import shard_model
-from amdllm.train import data as data_mod
+import amdllm.train.data as data_mod
 from amdllm.train.report import task_accuracy
 from amdllm.train.step import (TrainConfig, TrainingError, evaluate_loss, flops_per_token, make_eval_step,
                                make_optimizer, make_train_step, peak_flops, place_batch, split_params,

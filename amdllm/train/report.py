@@ -9,7 +9,7 @@ import matplotlib.pyplot as plt
 
 from amdllm.infer.generate import generate_ids, tokenizer_eos_ids
 from amdllm.io.tokenizer import pad_id as tokenizer_pad_id
-from amdllm.train import data as data_mod
+import amdllm.train.data as data_mod
 
 
 def task_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int | None = None,

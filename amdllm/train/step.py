@@ -28,9 +28,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from amdllm.model import Llama, LoRAParam, forward, token_nll
 from amdllm.cpu import cpu_compiler_options
-from amdllm.parallel import plan
+import amdllm.parallel.plan as plan
 from amdllm.parallel.sharding import batch_sharding
-from amdllm.train import data as data_mod
+import amdllm.train.data as data_mod
 
 
 class TrainingError(ValueError):

@@ -1,0 +1,60 @@
+"""Committed notebooks carry no outputs, execution counts or run metadata: find what is dirty, and strip it.
+`python -m amdllm.course.notebooks strip [--check]` is the command (tests/test_notebooks.py checks the repository).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from amdllm.files import atomic_write_text
+
+REPO = Path(__file__).resolve().parents[2]
+NOTEBOOK_DIR = REPO / "notebooks"
+_RUN_METADATA = ("papermill", "widgets", "execution")
+
+
+def dirty_cells(nb) -> list[str]:
+    """Why this notebook is not clean: one line per offending cell/field (empty list = clean)."""
+    problems = [f"notebook metadata '{k}'" for k in _RUN_METADATA if k in nb.metadata]
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        if cell.get("outputs"):
+            problems.append(f"cell {i}: has outputs")
+        if cell.get("execution_count") is not None:
+            problems.append(f"cell {i}: execution_count {cell.execution_count}")
+        if any(k in cell.metadata for k in _RUN_METADATA):
+            problems.append(f"cell {i}: run metadata")
+    return problems
+
+
+def strip_notebook(nb):
+    for k in _RUN_METADATA:
+        nb.metadata.pop(k, None)
+    for cell in nb.cells:
+        for k in _RUN_METADATA:
+            cell.metadata.pop(k, None)
+        if cell.cell_type == "code":
+            cell.outputs = []
+            cell.execution_count = None
+    return nb
+
+
+def notebook_paths(paths: list[str] | None = None) -> list[Path]:
+    if paths:
+        return [Path(p) for p in paths]
+    return sorted(NOTEBOOK_DIR.glob("*.ipynb")) + sorted((NOTEBOOK_DIR / "solutions").glob("*.ipynb"))
+
+
+def strip(paths: list[str] | None = None, check: bool = False) -> dict[str, list[str]]:
+    """Strip (or with check=True only inspect) notebooks; returns {path: problems found}."""
+    import nbformat  # costs seconds (jsonschema): imported when stripping, not by the runner's every user
+
+    found = {}
+    for path in notebook_paths(paths):
+        nb = nbformat.read(path, as_version=4)
+        problems = dirty_cells(nb)
+        if problems:
+            found[str(path)] = problems
+            if not check:
+                atomic_write_text(path, nbformat.writes(strip_notebook(nb)) + "\n")
+    return found
