@@ -22,7 +22,7 @@ help:
 	@echo "make test    - install (if needed) and run the tests, notebooks included"
 	@echo "make lab     - open JupyterLab on notebooks/ with the amdllm kernel"
 	@echo "make bench   - run benchmarks/ (writes JSON into bench_results/)"
-	@echo "make model   - rebuild the default model from its recipe (~20 min) and compare with data/default_model"
+	@echo "make model   - rebuild the default model from its recipe (20-30 min) and compare with data/default_model"
 
 # torch is pinned to the CPU build (2.13.0): an unpinned torch pulls a multi-GB CUDA build.
 # On a ROCm machine install torch/jax ROCm wheels first (README: "Install on AMD ROCm").

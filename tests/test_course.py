@@ -77,7 +77,7 @@ def test_load_tokenizer_errors_name_the_directory(tmp_path):
     with pytest.raises(TokenizerError, match=r"no tokenizer.json .*config.json"):
         load_tokenizer(tmp_path)
     (tmp_path / "tokenizer.json").write_text("{not json")
-    with pytest.raises(TokenizerError, match=re.escape(str(tmp_path)) + ": could not load"):
+    with pytest.raises(TokenizerError, match=re.escape(str(tmp_path / "tokenizer.json")) + ": could not load"):
         load_tokenizer(tmp_path)
 
 

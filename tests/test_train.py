@@ -230,6 +230,15 @@ def test_cli_finetune_writes_peft_adapter_metrics_and_merged_checkpoint(tmp_path
         merged_logits = merged(tokens).logits.numpy()
     np.testing.assert_allclose(merged_logits, peft_logits, atol=1e-4)
     assert np.abs(peft_logits - base_logits).max() > 1e-4  # training changed it
+    # --dtype bfloat16: the frozen base stays bf16 (the merged checkpoint is saved in it), LoRA stays float32
+    from safetensors.numpy import load_file
+    assert cli.main(["finetune", "--model", str(ckpt), "--data", str(tmp_path / "d.jsonl"), "--out",
+                     str(tmp_path / "bf16"), "--steps", "1", "--rank", "4", "--targets", "q", "--batch-size", "4",
+                     "--seq-len", "64", "--dtype", "bfloat16", "--mesh", "fsdp=1", "--merge", "--no-progress",
+                     "--json"]) == 0
+    capsys.readouterr()
+    assert json.loads((tmp_path / "bf16" / "merged" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert {str(v.dtype) for v in load_file(str(tmp_path / "bf16" / "adapter_model.safetensors")).values()} == {"float32"}
     assert cli.main(["finetune", "--model", str(ckpt), "--data", str(tmp_path / "d.jsonl"), "--out",
                      str(tmp_path / "o2"), "--targets", "q,zz", "--no-progress"]) == 2
     assert "unknown LoRA target module 'zz'" in capsys.readouterr().err

@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMANDS = ("doctor", "eval", "generate", "finetune", "plan", "quantize", "serve")
+SUBCOMMANDS = ("doctor", "eval", "generate", "finetune", "plan", "quantize", "serve", "convert")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -23,9 +23,16 @@ def model_dir(arg: str | None) -> Path:
     return Path(arg) if arg is not None else default_model_dir()
 
 
+def add_pickle_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="read pickled pytorch_model*.bin weights (tensors only, with torch.load("
+                        "weights_only=True)); for sources you trust. `amdllm convert` rewrites them once")
+
+
 def add_model_args(p: argparse.ArgumentParser, dtype: bool = True) -> None:
     p.add_argument("--model", default=None, help="HF checkpoint directory (default: the embedded model)")
     p.add_argument("--adapter", default=None, help="PEFT LoRA adapter directory to apply")
+    add_pickle_arg(p)
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     if dtype:
         p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")

@@ -32,7 +32,7 @@ def run(args) -> int:
     if not text_path.is_file():
         raise FileNotFoundError(f"--text {text_path}: no such file")
     text = text_path.read_text(encoding="utf-8")
-    model, tokenizer, _ = load_model(model_dir(args.model), args.adapter, args.dtype)
+    model, tokenizer, _ = load_model(model_dir(args.model), args.adapter, args.dtype, args.allow_pickle)
     r = evaluate_text(model, tokenizer, text, seq_len=args.seq_len, batch_size=args.batch_size)
     r["text"] = str(text_path)
     emit(r, args.json, f"perplexity {r['perplexity']:.4f}  (nll {r['nll']:.4f} over {r['tokens']} "

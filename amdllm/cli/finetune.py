@@ -7,9 +7,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from amdllm.cli.common import emit
+from amdllm.cli.common import add_pickle_arg, emit
 from amdllm.cli.common import model_dir as resolve_model_dir
 from amdllm.io import checkpoint
+from amdllm.files import atomic_write_text
+from amdllm.io.templates import TEMPLATE_FILE, use_chat_template
 from amdllm.io.tokenizer import load_tokenizer
 from amdllm.model import lora as lora_mod
 from amdllm.parallel.sharding import make_mesh
@@ -20,6 +22,9 @@ from amdllm.train.loop import TrainConfig, finetune
 def add_cli(sub) -> None:
     p = sub.add_parser("finetune", help="LoRA fine-tuning; writes a PEFT adapter (and optionally a merged model)")
     p.add_argument("--model", default=None, help="HF checkpoint directory (default: the embedded model)")
+    add_pickle_arg(p)
+    p.add_argument("--chat-template", default=None, help="for chat rows: llama3, llama2, vicuna or a Jinja "
+                   "file (default: the tokenizer's own, else a built-in format); saved with the adapter")
     p.add_argument("--data", required=True, help="JSONL: Alpaca, chat (messages) or plain (text) rows")
     p.add_argument("--eval-data", default=None, help="held-out JSONL (loss, and exact match for Alpaca rows)")
     p.add_argument("--out", required=True, help="output directory (adapter, metrics.jsonl, checkpoints/)")
@@ -39,7 +44,8 @@ def add_cli(sub) -> None:
     p.add_argument("--too-long", choices=("truncate", "drop"), default="truncate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                   help="compute dtype (auto: bfloat16 on accelerators, float32 on CPU); LoRA and AdamW stay float32")
+                   help="base weights and compute (auto: bfloat16 on accelerators, float32 on CPU, where it is faster); "
+                        "LoRA and AdamW stay float32")
     p.add_argument("--mesh", default=None, help="mesh spec, e.g. fsdp=8 (default: all devices on fsdp when >1)")
     p.add_argument("--rules", default=None, help="sharding rules preset (amdllm.parallel.sharding)")
     p.add_argument("--remat", action="store_true", help="recompute each layer in the backward (less memory)")
@@ -59,8 +65,11 @@ def run(args) -> int:
     dtype = args.dtype
     if dtype == "auto":
         dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
-    model = checkpoint.load(model_dir, dtype=jnp.float32, compute_dtype=jnp.dtype(dtype), remat=args.remat)
-    tok = load_tokenizer(model_dir)
+    # the frozen base in the dtype asked for (bf16 on accelerators: half the memory); LoRA factors and
+    # optimizer state are float32 whatever it is (amdllm.model.lora)
+    model = checkpoint.load(model_dir, dtype=jnp.dtype(dtype), remat=args.remat,
+                            allow_pickle=args.allow_pickle)
+    tok = use_chat_template(load_tokenizer(model_dir), args.chat_template)
     ds = data_mod.load_dataset(args.data, tok, args.seq_len, pack=not args.no_pack, too_long=args.too_long)
     eval_ds = rows = None
     if args.eval_data:
@@ -80,6 +89,8 @@ def run(args) -> int:
     res = finetune(model, ds, args.out, tc, eval_ds=eval_ds, tokenizer=tok, task_rows=rows, mesh=mesh,
                    rules=args.rules, resume=args.resume, progress=not args.no_progress,
                    base_model_dir=str(model_dir))
+    if getattr(tok, "chat_template", None):  # `amdllm serve --adapter OUT` renders chats the same way
+        atomic_write_text(Path(args.out) / TEMPLATE_FILE, tok.chat_template)
     if args.merge:
         merged = lora_mod.merge_lora(model)
         res["merged_dir"] = str(checkpoint.save(merged, Path(args.out) / "merged", tokenizer_from=model_dir))

@@ -17,7 +17,7 @@ def add_cli(sub) -> None:
 
 
 def run(args) -> int:
-    model, tokenizer, _ = load_model(model_dir(args.model), args.adapter, args.dtype)
+    model, tokenizer, _ = load_model(model_dir(args.model), args.adapter, args.dtype, args.allow_pickle)
     r = generate(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_p,
                  args.seed)[0]
     human = (f"{args.prompt}{r['text']}\n\n[{r['prompt_tokens']} prompt tokens, {r['new_tokens']} new, "

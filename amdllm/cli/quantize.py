@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from amdllm import course
-from amdllm.cli.common import emit
+from amdllm.cli.common import add_pickle_arg, emit
 from amdllm.cli.common import model_dir as resolve_model_dir
 from amdllm.files import atomic_write_text
 from amdllm.io.checkpoint import load
@@ -25,7 +25,7 @@ def run_quantize(args) -> dict:
                          "supports 2, 4 and 8 bits only")
     model_dir = resolve_model_dir(args.model)
     t0 = time.perf_counter()
-    model = load(model_dir)
+    model = load(model_dir, allow_pickle=args.allow_pickle)
     fitted, note = fit_group_size(model.cfg, spec.group_size)
     if note:
         raise ValueError(f"--group-size {spec.group_size} does not divide the in_features "
@@ -56,6 +56,7 @@ def add_cli(subparsers) -> None:
     p = subparsers.add_parser("quantize", help="GPTQ/RTN 4-bit quantization into a GPTQ checkpoint dir",
                               description="Quantize a Llama checkpoint to GPTQ format (HF/GPTQModel layout).")
     p.add_argument("--model", help="HF checkpoint dir (default: the embedded course model)")
+    add_pickle_arg(p)
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--method", choices=("gptq", "rtn"), default="gptq")
     p.add_argument("--bits", type=int, default=4, help="2, 4 or 8 (default 4)")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from amdllm.cli.common import model_dir
+from amdllm.cli.common import add_pickle_arg, model_dir
 from amdllm.infer.serve import build, listen_socket, socket_url
 
 
@@ -11,6 +11,9 @@ def add_cli(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     p.add_argument("--model", default=None, help="HF checkpoint directory, full or GPTQ (default: the embedded model)")
     p.add_argument("--adapter", default=None, help="PEFT LoRA adapter directory to apply")
+    add_pickle_arg(p)
+    p.add_argument("--chat-template", default=None, help="llama3, llama2, vicuna or a Jinja file (default: "
+                   "the adapter's chat_template.jinja, else the tokenizer's own, else a built-in format)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
@@ -28,7 +31,8 @@ def run(args) -> int:
 
     app, engine = build(model_dir=model_dir(args.model), adapter=args.adapter, dtype=args.dtype,
                         max_batch=args.max_batch, max_len=args.max_context, api_key=args.api_key, max_tokens_cap=args.max_tokens_cap,
-                        model_name=args.model_name)
+                        model_name=args.model_name, allow_pickle=args.allow_pickle,
+                        chat_template=args.chat_template)
     sock = listen_socket(args.host, args.port)
     name = app.state.config.model_name
     print(f"amdllm serve: '{name}' on {socket_url(sock)} (chat page at /, OpenAI API at /v1, "

@@ -1,11 +1,12 @@
 """The embedded default model and the course data: locate them, and (re)build the model.
 
 The default model is committed in `data/default_model/`: a small Llama (GQA, untied head) trained
-from scratch on `data/corpus_train.txt` with one jitted full-parameter AdamW step, saved as a normal
-Hugging Face checkpoint directory with the course tokenizer, a generation_config.json and a
-build_report.json that records the recipe's hash and the weights' sha256. Training it takes ~20
-minutes on 2 CPU cores (1500 steps: long enough that it learns to copy words from its context, which
-the course task needs), so it is committed rather than built on first use.
+from scratch on `data/corpus_train.txt` with the course's training step (`amdllm.train.step`, every
+parameter trained), saved as a normal Hugging Face checkpoint directory with the course tokenizer, a
+generation_config.json and a build_report.json that records the recipe's hash, the weights' sha256
+and the build's time. Training it takes 20-30 minutes on 2 CPU cores (1500 steps: long enough that it
+learns to copy words from its context, which the course task needs), so it is committed rather than
+built on first use.
 
 `default_model_dir()` returns the committed directory when its recipe hash matches the recipe below.
 When it does not (you changed the recipe or the data, or an installed package has no data/), it
@@ -37,7 +38,6 @@ from pathlib import Path
 
 import jax
 import numpy as np
-import optax
 from flax import nnx
 from tqdm.auto import tqdm
 
@@ -48,15 +48,16 @@ from amdllm.infer.evaluate import perplexity
 from amdllm.infer.generate import generate_ids
 from amdllm.io.checkpoint import save
 from amdllm.io.tokenizer import load_tokenizer, pad_id, save_for_transformers, train_bpe
-from amdllm.model import Llama, cross_entropy, forward, to_pure
+from amdllm.model import Llama
+from amdllm.train.step import TrainConfig, make_optimizer, make_train_step, split_params
 
-BUILD_VERSION = 2  # bump when the recipe changes in a way the hashed settings below do not show
+BUILD_VERSION = 3  # bump when the recipe changes in a way the hashed settings below do not show (3: amdllm.train.step)
 # The default model's shape: ~3.5M parameters, 8 query heads sharing 2 key/value heads.
 MODEL = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-5,
              tie_word_embeddings=False)
 VOCAB_MULTIPLE = 64  # the embedding rows are padded up to this (shards evenly over 8 or 64 devices)
-# Training recipe: 1500 steps x 8 x 256 = 3.1M tokens (~8 passes over the corpus), ~3,150 CPU-seconds.
+# Training recipe: 1500 steps x 8 x 256 = 3.1M tokens (~8 passes over the corpus), ~2,500 CPU-seconds.
 # 150 steps x 4 (the first recipe, built on first use in ~3 minutes) reached perplexity 2.90 but never
 # learned to copy a word from its context, so no short LoRA run could teach it the course task
 # (docs/benchmark-history.md, "The course task"). seq_len equals the evaluation window, so every position
@@ -229,41 +230,31 @@ def batches(tokens, steps: int, batch_size: int, seq_len: int, seed: int):
         yield w[:, :-1], w[:, 1:]
 
 
-def make_train_step(cfg, optimizer):
-    """One compiled step: loss, gradients and the AdamW update; parameter and optimizer buffers donated."""
-
-    def loss_fn(params, x, y):
-        logits, _ = forward(cfg, params["top"], params["layers"], x)  # [B, T, V] float32
-        return cross_entropy(logits, y, jax.numpy.ones_like(y))
-
-    def step(params, opt_state, x, y):
-        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    return jax.jit(step, donate_argnums=(0, 1))
-
-
 def train(cfg, tokens, *, seed, steps, batch_size, seq_len, lr, warmup, weight_decay, clip,
           progress: bool = True):
-    """Train a fresh model on `tokens`; returns (model, losses)."""
+    """Train a fresh model on `tokens` with the course's one training step (`amdllm.train.step`, every
+    parameter trained: `full=True`); returns (model, losses)."""
     model = Llama(cfg, rngs=nnx.Rngs(seed))
-    top, layers = to_pure(model)
-    params = {"top": top, "layers": layers}
-    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, steps, end_value=lr / 10)
+    params, frozen = split_params(model, full=True)
     # no weight decay on norm weights (they start at one and decay would pull them to zero)
     decay_mask = jax.tree_util.tree_map_with_path(lambda p, _: not str(p[-1].key).endswith("norm"), params)
-    optimizer = optax.chain(optax.clip_by_global_norm(clip),
-                            optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay, mask=decay_mask))
+    tc = TrainConfig(steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, warmup=warmup,
+                     weight_decay=weight_decay, clip=clip, b1=0.9, b2=0.95, seed=seed)
+    optimizer, _ = make_optimizer(tc, decay_mask)
     opt_state = optimizer.init(params)
-    step = make_train_step(cfg, optimizer)
+    step = make_train_step(model, optimizer, full=True)
+    positions = np.broadcast_to(np.arange(seq_len, dtype=np.int32), (1, batch_size, seq_len))
+    ones = np.ones((1, batch_size, seq_len), np.int32)
+    rng = jax.random.key(seed)  # unused: no dropout
     losses = []
     bar = tqdm(batches(tokens, steps, batch_size, seq_len, seed), total=steps, desc="default model",
                disable=not progress, file=sys.stderr)
     for i, (x, y) in enumerate(bar):
-        params, opt_state, loss = step(params, opt_state, x, y)
+        batch = {"tokens": x[None], "targets": y[None], "positions": positions, "segment_ids": ones,
+                 "weights": ones}  # one micro-batch [1, B, T]
+        params, opt_state, metrics = step(params, opt_state, frozen, batch, rng)
         if i % 10 == 0 or i == steps - 1:
-            losses.append((i, float(loss)))
+            losses.append((i, float(metrics["loss"])))
             bar.set_postfix(loss=f"{losses[-1][1]:.3f}")
     state = nnx.state(model)
     nnx.replace_by_pure_dict(state, {**params["top"], "layers": params["layers"]})
@@ -340,7 +331,7 @@ def main(argv=None) -> int:
     p.add_argument("action", choices=["build", "path", "data"], help="build: (re)build and report; "
                    "path: print the model directory (building if needed); data: regenerate data/")
     p.add_argument("--force", action="store_true", help="rebuild into the cache even if a model exists there "
-                   "(~20 min on 2 cores); the report says whether the weights match the committed ones")
+                   "(20-30 min on 2 cores); the report says whether the weights match the committed ones")
     p.add_argument("--commit", action="store_true", help="rebuild from the recipe into data/default_model/")
     args = p.parse_args(argv)
     if args.action == "data":

@@ -229,11 +229,13 @@ def generate(model, tokenizer, prompts: str | list[str], max_new_tokens: int = 6
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-def load_model(model_dir, adapter=None, dtype: str = "float32"):
-    """(model, tokenizer, model_dir): an HF or GPTQ checkpoint directory, with a PEFT adapter if given."""
+def load_model(model_dir, adapter=None, dtype: str = "float32", allow_pickle: bool = False):
+    """(model, tokenizer, model_dir): an HF or GPTQ checkpoint directory, with a PEFT adapter if given.
+    allow_pickle: also read pickled pytorch_model*.bin weights (tensors only)."""
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    model = checkpoint.load(model_dir, dtype=DTYPES[dtype])
+    tokenizer = load_tokenizer(model_dir)  # first: a broken tokenizer is found in a second, not after the weights
+    model = checkpoint.load(model_dir, dtype=DTYPES[dtype], allow_pickle=allow_pickle)
     if adapter is not None:
         model = load_adapter(model, adapter)
-    return model, load_tokenizer(model_dir), model_dir
+    return model, tokenizer, model_dir

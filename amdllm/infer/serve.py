@@ -19,7 +19,7 @@ from pathlib import Path
 
 from amdllm.infer.engine import Engine, Request, new_id, now
 from amdllm.infer.generate import load_model
-from amdllm.io.templates import render_chat
+from amdllm.io.templates import TEMPLATE_FILE, TemplateError, render_chat, use_chat_template
 
 STATIC = Path(__file__).resolve().parent / "static"
 
@@ -153,7 +153,10 @@ def parse_completion(body: dict, tokenizer, cfg: ServerConfig, context: int) -> 
 
 
 def parse_chat(body: dict, tokenizer, cfg: ServerConfig, context: int) -> Parsed:
-    text, stops = render_chat(tokenizer, _messages(body))
+    try:
+        text, stops = render_chat(tokenizer, _messages(body))
+    except TemplateError as e:  # e.g. a template that demands alternating roles
+        raise APIError(400, str(e), "messages", "invalid_value") from None
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])  # the text holds BOS already
     p = Parsed(body, ids, cfg, context, chat=True)
     p.stop += [s for s in stops if s not in p.stop]
@@ -336,14 +339,20 @@ class ServerHandle:
 
 
 def build(model=None, tokenizer=None, *, model_dir=None, adapter=None, dtype="float32", max_batch=8,
-          max_len=None, api_key=None, max_tokens_cap=512, model_name=None, warmup=True):
-    """(app, engine): load the model from `model_dir` (with `adapter`) unless given, start the engine."""
+          max_len=None, api_key=None, max_tokens_cap=512, model_name=None, warmup=True, allow_pickle=False,
+          chat_template=None):
+    """(app, engine): load the model from `model_dir` (with `adapter`) unless given, start the engine.
+    chat_template: a name or Jinja file (amdllm.io.templates); by default the adapter's
+    chat_template.jinja (the template it was trained with) if it has one, else the tokenizer's own."""
     if model is None:
         if model_dir is None:
             raise ValueError("pass a model (and its tokenizer) or model_dir")
-        model, tokenizer, model_dir = load_model(model_dir, adapter, dtype)
+        model, tokenizer, model_dir = load_model(model_dir, adapter, dtype, allow_pickle)
     if tokenizer is None:
         raise ValueError("a tokenizer is needed with an in-memory model")
+    if chat_template is None and adapter is not None and (Path(adapter) / TEMPLATE_FILE).is_file():
+        chat_template = str(Path(adapter) / TEMPLATE_FILE)
+    use_chat_template(tokenizer, chat_template)
     if model_name is None:
         model_name = Path(model_dir).name if model_dir is not None else "amdllm"
         if adapter is not None:

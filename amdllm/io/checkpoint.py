@@ -20,7 +20,6 @@ How it works, and why:
 from __future__ import annotations
 
 import json
-import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -40,7 +39,7 @@ from amdllm.io.tokenizer import copy_tokenizer
 from amdllm.model.llama import Llama, param_table
 from amdllm.parallel.sharding import activation_sharding, param_shardings
 from amdllm.io.safetensors import (ST_DTYPES, ST_NAMES, CheckpointError, SafetensorsFile, TensorSource,
-                                   load_tensors, parse_size, save_tensors, write_safetensors)
+                                   load_tensors, parse_size, save_tensors, write_safetensors, write_sharded)
 
 # the reader / writer are re-exported: `checkpoint.TensorSource`, `checkpoint.save_tensors`, ... keep working
 __all__ = ["NAME_TABLE", "IGNORED_SUFFIXES", "TOKENIZER_FILES", "hf_tensor_specs", "validate", "load", "save",
@@ -144,6 +143,7 @@ def _copy_into(out: np.ndarray, src: TensorSource, name: str, tr: bool, index: t
         else:
             out[k:k + r1 - r0] = slab
         src.release(name, (r0, r1))
+    src.release(name)
 
 
 def _read_block(src: TensorSource, cfg: LlamaConfig, ours: str, index: tuple, dtype) -> np.ndarray:
@@ -260,29 +260,7 @@ def save(model: Llama, path, *, dtype=None, max_shard_size="2GB", tokenizer_from
         return f
 
     entries = [(hf, s[3], out_dt, fetch(s[0], s[1], s[2])) for hf, s in specs.items()]
-    shards, size = [[]], 0
-    for e in entries:  # greedy, in order, like transformers: a new file when the next tensor would overflow
-        n = int(np.prod(e[1])) * out_dt.itemsize
-        if shards[-1] and size + n > limit:
-            shards.append([])
-            size = 0
-        shards[-1].append(e)
-        size += n
-    path.mkdir(parents=True, exist_ok=True)
-    names = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
-    for fname, shard in tqdm(list(zip(names, shards)), desc=f"saving {path.name}", leave=False):
-        write_safetensors(path / fname, shard, {"format": "pt"})
-    index = path / "model.safetensors.index.json"
-    if len(shards) > 1:
-        total = sum(int(np.prod(e[1])) * out_dt.itemsize for e in entries)
-        wm = {e[0]: fname for fname, shard in zip(names, shards) for e in shard}
-        atomic_write_text(index, json.dumps({"metadata": {"total_size": total}, "weight_map": wm}, indent=2) + "\n")
-    # remove weights of an earlier save in this directory, so no loader picks up stale files
-    for old in list(path.glob("model*.safetensors")) + ([index] if len(shards) == 1 else []):
-        if old.name not in names and old.exists() and (old.name == index.name or re.fullmatch(
-                r"model(-\d{5}-of-\d{5})?\.safetensors", old.name)):
-            old.unlink()
+    write_sharded(path, entries, limit, desc=f"saving {path.name}")
     d = cfg.to_dict()
     d["torch_dtype"] = d["dtype"] = out_dt.name  # transformers 4 reads torch_dtype, 5 reads dtype
     atomic_write_text(path / "config.json", json.dumps(d, indent=2, sort_keys=True) + "\n")

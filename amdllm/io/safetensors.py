@@ -19,13 +19,15 @@ from __future__ import annotations
 import json
 import mmap
 import re
+import zipfile
 from pathlib import Path
 from typing import Any, Callable
 
 import ml_dtypes
 import numpy as np
+from tqdm.auto import tqdm
 
-from amdllm.files import atomic_path
+from amdllm.files import atomic_path, atomic_write_text
 
 
 class CheckpointError(ValueError):
@@ -78,6 +80,12 @@ class SafetensorsFile:
                                   f"{self.data_start + end_max}, file has {size} bytes)")
         self._map = np.memmap(self.path, dtype=np.uint8, mode="r") if size else None
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.tensors[name][1]
+
+    def dtype(self, name: str) -> np.dtype:
+        return np.dtype(self.tensors[name][0])
+
     def get(self, name: str) -> np.ndarray:
         """A read-only zero-copy view of tensor `name` (pages are read from disk only when touched)."""
         dt, shape, b, e = self.tensors[name]
@@ -119,27 +127,9 @@ class TensorSource:
                     raise CheckpointError(f"{index}: tensor {name!r} is mapped to {fname!r} but that file "
                                           "does not contain it")
         else:
-            bins = sorted(self.path.glob("pytorch_model*.bin")) or sorted(self.path.glob("*.bin"))
-            if not bins:
-                found = sorted(p.name for p in self.path.iterdir()) if self.path.is_dir() else []
-                raise CheckpointError(f"{self.path}: no model.safetensors, model.safetensors.index.json or "
-                                      f"pytorch_model*.bin found (files: {found})")
-            if not allow_pickle:
-                raise CheckpointError(
-                    f"{bins[0]}: pickled PyTorch weights are refused (a .bin can run arbitrary code when "
-                    "loaded); convert to safetensors, or pass allow_pickle=True if you trust the source")
-            import torch  # optional: only to read pickled .bin shards the caller allowed
-            for b in bins:
-                try:  # mmap keeps host memory low; legacy (non-zip) pickles cannot be mapped
-                    sd = torch.load(b, map_location="cpu", weights_only=True, mmap=True)
-                except RuntimeError:
-                    try:
-                        sd = torch.load(b, map_location="cpu", weights_only=True)
-                    except Exception as e:
-                        raise CheckpointError(f"{b}: cannot read PyTorch weights ({type(e).__name__}: "
-                                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
-                for name in sd:
-                    self._where[name] = sd
+            for shard in _torch_shards(self.path, allow_pickle):
+                for name in shard.names:
+                    self._where[name] = shard
 
     def _add_file(self, path: Path):
         f = SafetensorsFile(path)
@@ -150,21 +140,112 @@ class TensorSource:
         return list(self._where)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        src = self._where[name]
-        return src.tensors[name][1] if isinstance(src, SafetensorsFile) else tuple(src[name].shape)
+        return self._where[name].shape(name)
 
     def dtype(self, name: str) -> np.dtype:
-        src = self._where[name]
-        return np.dtype(src.tensors[name][0]) if isinstance(src, SafetensorsFile) else _torch_np(src[name]).dtype
+        return self._where[name].dtype(name)
 
     def get(self, name: str) -> np.ndarray:
-        src = self._where[name]
-        return src.get(name) if isinstance(src, SafetensorsFile) else _torch_np(src[name])
+        return self._where[name].get(name)
 
     def release(self, name: str, rows: tuple[int, int] | None = None) -> None:
-        src = self._where[name]
-        if isinstance(src, SafetensorsFile):
-            src.release(name, rows)
+        self._where[name].release(name, rows)
+
+
+PICKLE_INDEX = "pytorch_model.bin.index.json"
+
+
+class TorchShard:
+    """One pickled PyTorch shard (`torch.save`'s zip format), opened memory-mapped with
+    `torch.load(weights_only=True)` (tensors only: no code in the pickle runs) when a tensor is first
+    asked for, and closed once every tensor of it has been released, so one shard is open at a time
+    when tensors are read shard by shard."""
+
+    def __init__(self, path: Path, names: list[str] | None = None):
+        self.path = path
+        self._sd, self._meta = None, {}
+        self.names = list(names) if names is not None else list(self._open())
+        self._pending = set(self.names)
+
+    def _open(self) -> dict:
+        if self._sd is None:
+            import torch  # optional: only to read pickled .bin shards the user allowed
+            try:
+                sd = torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as e:  # torch raises many types (UnpicklingError, RuntimeError, ...)
+                raise CheckpointError(f"{self.path}: cannot read PyTorch weights ({type(e).__name__}: "
+                                      f"{str(e).splitlines()[0] if str(e) else ''})") from None
+            if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+                raise CheckpointError(f"{self.path}: expected a state dict (tensor name -> tensor), "
+                                      f"found {type(sd).__name__}")
+            self._sd = sd
+            self._meta.update({k: (tuple(v.shape), _torch_dtype(v)) for k, v in sd.items()})
+        return self._sd
+
+    def _info(self, name: str) -> tuple[tuple[int, ...], np.dtype]:
+        if name not in self._meta:  # shapes are read once; the file is closed again unless being read
+            reading = self._sd is not None
+            self._open()
+            if not reading:
+                self._sd = None
+        if name not in self._meta:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is listed in {PICKLE_INDEX} but not in this file")
+        return self._meta[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._info(name)[0]
+
+    def dtype(self, name: str) -> np.dtype:
+        return self._info(name)[1]
+
+    def get(self, name: str) -> np.ndarray:
+        sd = self._open()
+        if name not in sd:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is listed in {PICKLE_INDEX} but not in this file")
+        return _torch_np(sd[name])
+
+    def release(self, name: str, rows=None) -> None:
+        if rows is None:
+            self._pending.discard(name)
+        if not self._pending:
+            self._sd = None  # unmaps the file
+
+
+def _torch_shards(path: Path, allow_pickle: bool) -> list[TorchShard]:
+    """The pickled shards of a directory (index + shards, or every pytorch_model*.bin), checked."""
+    index = path / PICKLE_INDEX
+    if index.is_file():
+        wm = _read_weight_map(index)
+        files = {}
+        for name, fname in wm.items():
+            files.setdefault(fname, []).append(name)
+        bins = [path / f for f in files]
+        for b in bins:
+            if not b.is_file():
+                raise CheckpointError(f"{index}: shard {b.name!r} listed in weight_map is missing")
+    else:
+        files = None
+        bins = sorted(path.glob("pytorch_model*.bin")) or sorted(path.glob("*.bin"))
+    if not bins:
+        found = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+        raise CheckpointError(f"{path}: no model.safetensors, model.safetensors.index.json or "
+                              f"pytorch_model*.bin found (files: {found})")
+    if not allow_pickle:
+        raise CheckpointError(
+            f"{bins[0]}: pickled PyTorch weights are refused (a .bin can run code when loaded without "
+            "care): pass --allow-pickle (allow_pickle=True in Python) if you trust the source, or "
+            "rewrite it once as safetensors with `amdllm convert --allow-pickle --model SRC --out DST`")
+    for b in bins:
+        if not zipfile.is_zipfile(b):
+            raise CheckpointError(f"{b}: not a zip-format PyTorch file (a legacy pickle from PyTorch < 1.6, "
+                                  "or not PyTorch weights): it cannot be memory-mapped or read tensors-only; "
+                                  "re-save it with torch.save from PyTorch >= 1.6")
+    return [TorchShard(b, files[b.name] if files else None) for b in bins]
+
+
+def _torch_dtype(t) -> np.dtype:
+    import torch  # optional: only for tensors from pickled .bin shards
+    return np.dtype(ml_dtypes.bfloat16) if t.dtype == torch.bfloat16 else t[:0].numpy().dtype
 
 
 def _read_weight_map(index: Path) -> dict[str, str]:
@@ -226,7 +307,7 @@ def write_safetensors(path, entries: list[tuple[str, tuple[int, ...], Any, Calla
             a = np.ascontiguousarray(fetch(), dtype=dt)
             if a.shape != tuple(shape):
                 raise CheckpointError(f"{path}: tensor {name!r} has shape {list(a.shape)}, header says {list(shape)}")
-            f.write(a.tobytes())  # little-endian on every platform JAX supports
+            f.write(a.reshape(-1).view(np.uint8).data)  # no copy; little-endian wherever JAX runs
 
 
 def save_tensors(path, tensors: dict[str, Any], metadata: dict[str, str] | None = None) -> None:
@@ -234,3 +315,35 @@ def save_tensors(path, tensors: dict[str, Any], metadata: dict[str, str] | None 
     write_safetensors(path, [(k, tuple(np.shape(v)), np.dtype(v.dtype), lambda v=v: np.asarray(v))
                              for k, v in tensors.items()], metadata)
 
+
+
+def write_sharded(path, entries: list[tuple[str, tuple[int, ...], Any, Callable[[], np.ndarray]]],
+                  max_shard_size, desc: str | None = None) -> list[str]:
+    """Write `entries` (as `write_safetensors`) into directory `path`: model.safetensors, or, above
+    `max_shard_size` bytes, model-0000k-of-0000n.safetensors shards plus model.safetensors.index.json.
+    Tensors go into files greedily in order, like transformers: a new file when the next would overflow.
+    Weight files of an earlier save there are removed, so no loader picks up stale ones. Returns the names."""
+    path, limit = Path(path), parse_size(max_shard_size)
+    nbytes = lambda e: int(np.prod(e[1], dtype=np.int64)) * np.dtype(e[2]).itemsize  # noqa: E731
+    shards, size = [[]], 0
+    for e in entries:
+        if shards[-1] and size + nbytes(e) > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(e)
+        size += nbytes(e)
+    path.mkdir(parents=True, exist_ok=True)
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
+    for fname, shard in tqdm(list(zip(names, shards)), desc=desc or f"writing {path.name}", leave=False):
+        write_safetensors(path / fname, shard, {"format": "pt"})
+    index = path / "model.safetensors.index.json"
+    if len(shards) > 1:
+        wm = {e[0]: fname for fname, shard in zip(names, shards) for e in shard}
+        meta = {"metadata": {"total_size": sum(map(nbytes, entries))}, "weight_map": wm}
+        atomic_write_text(index, json.dumps(meta, indent=2) + "\n")
+    for old in list(path.glob("model*.safetensors")) + ([index] if len(shards) == 1 else []):
+        if old.name not in names and old.exists() and (old.name == index.name or re.fullmatch(
+                r"model(-\d{5}-of-\d{5})?\.safetensors", old.name)):
+            old.unlink()
+    return names

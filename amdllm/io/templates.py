@@ -1,19 +1,72 @@
 """Prompt templates: how instruction rows and chat messages become text, for training and for serving
 alike (the same text a fine-tuned model learned is what the server sends it).
 
-  * The tokenizer's own chat template (`chat_template` in tokenizer_config.json or chat_template.jinja),
-    when it has one, for serving.
-  * Llama 3's header format when the tokenizer has <|start_header_id|>, <|end_header_id|> and <|eot_id|>:
-      <|start_header_id|>user<|end_header_id|>\\n\\n{content}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\\n\\n...
-  * Otherwise the plain format: "### User:\\n{content}\\n\\n" blocks, an assistant reply ending with EOS,
-    and the Alpaca layout for instruction rows ("### Instruction:", "### Input:", "### Response:").
+  * A chat template (Jinja, as transformers runs it): the tokenizer's own (`chat_template` in
+    tokenizer_config.json or chat_template.jinja), or one chosen with `--chat-template`: a name in
+    `NAMED_TEMPLATES` (llama3, llama2, vicuna) or a Jinja file.
+  * Without one, built-in formats: Llama 3's header format when the tokenizer has <|start_header_id|>,
+    <|end_header_id|> and <|eot_id|>; otherwise "### User:\\n{content}\\n\\n" blocks, an assistant reply
+    ending with EOS, and the Alpaca layout for instruction rows ("### Instruction:", "### Input:",
+    "### Response:").
+
 A piece is (text, trained): training puts the loss on the trained pieces (every assistant reply and the
-end token after it); serving joins the pieces and adds the assistant's header.
+end token after it, as TRL's assistant-only masking does); serving renders the conversation and the
+assistant's header. With a chat template the pieces come from rendering growing prefixes of the
+conversation, so they join to exactly `tokenizer.apply_chat_template(messages, tokenize=False)`.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 LLAMA3_SPECIALS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
-PLAIN_STOPS = ("\n### ",)  # a base model in the plain format would go on to write the next turn
+PLAIN_STOPS = ("\n### ",)
+TEMPLATE_FILE = "chat_template.jinja"  # beside an adapter: the template it was trained with  # a base model in the plain format would go on to write the next turn
+
+VICUNA_SYSTEM = ("A chat between a curious user and an artificial intelligence assistant. The assistant "
+                 "gives helpful, detailed, and polite answers to the user's questions.")
+NAMED_TEMPLATES = {
+    # Llama 3 / 3.1 instruct, without the tool-calling and date lines
+    "llama3": ("{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>"
+               "\\n\\n' + m['content'] | trim + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}"
+               "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"),
+    # Llama 2 chat: [INST] ... [/INST] reply </s>, the system prompt inside the first user turn
+    "llama2": ("{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}{% set system = "
+               "messages[0]['content'] %}{% else %}{% set loop_messages = messages %}{% set system = false %}"
+               "{% endif %}{% for m in loop_messages %}{% if loop.index0 == 0 and system != false %}{% set content "
+               "= '<<SYS>>\\n' + system + '\\n<</SYS>>\\n\\n' + m['content'] %}{% else %}{% set content = "
+               "m['content'] %}{% endif %}{% if m['role'] == 'user' %}{{ bos_token + '[INST] ' + content | trim"
+               " + ' [/INST]' }}{% elif m['role'] == 'assistant' %}{{ ' ' + content | trim + ' ' + eos_token }}"
+               "{% endif %}{% endfor %}"),
+    # FastChat's vicuna_v1.1: "{system} USER: {u} ASSISTANT: {a}</s>USER: ..."
+    "vicuna": ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}"
+               "{% set loop_messages = messages[1:] %}{% else %}{% set system = \"" + VICUNA_SYSTEM + "\" %}"
+               "{% set loop_messages = messages %}{% endif %}{{ system + ' ' }}{% for m in loop_messages %}"
+               "{% if m['role'] == 'user' %}{{ 'USER: ' + m['content'] + ' ' }}{% elif m['role'] == 'assistant' %}"
+               "{{ 'ASSISTANT: ' + m['content'] + eos_token }}{% endif %}{% endfor %}"
+               "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"),
+}
+
+
+class TemplateError(ValueError):
+    """A chat template that cannot be found or used; the message names it and what was expected."""
+
+
+def chat_template_text(spec: str) -> str:
+    """--chat-template NAME|FILE -> the Jinja text."""
+    if spec in NAMED_TEMPLATES:
+        return NAMED_TEMPLATES[spec]
+    path = Path(spec)
+    if not path.is_file():
+        raise TemplateError(f"--chat-template {spec}: neither a template name ({', '.join(NAMED_TEMPLATES)}) "
+                            "nor a Jinja file")
+    return path.read_text(encoding="utf-8")
+
+
+def use_chat_template(tokenizer, spec: str | None):
+    """Give `tokenizer` the template `spec` (name or file); None keeps its own. Returns the tokenizer."""
+    if spec is not None:
+        tokenizer.chat_template = chat_template_text(spec)
+    return tokenizer
 
 
 def is_llama3_chat(tokenizer) -> bool:
@@ -21,8 +74,31 @@ def is_llama3_chat(tokenizer) -> bool:
     return all(t in vocab for t in LLAMA3_SPECIALS)
 
 
+def _apply(tokenizer, messages: list[dict], generation: bool) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+    except Exception as e:  # jinja2 errors, raise_exception() in the template
+        raise TemplateError(f"the chat template failed on these messages: {type(e).__name__}: {e}") from None
+
+
+def template_pieces(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
+    """[(text, trained)] from the tokenizer's chat template: before each assistant message, the
+    conversation rendered up to it with the generation prompt; the reply is what the full render adds."""
+    pieces, done = [], ""
+    for k, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        head, full = _apply(tokenizer, messages[:k], True), _apply(tokenizer, messages[:k + 1], False)
+        if not (head.startswith(done) and full.startswith(head)):
+            raise TemplateError("the chat template renders a conversation differently once it grows (its "
+                                "text for the first turns changes), so the assistant replies cannot be located")
+        pieces += [(head[len(done):], False), (full[len(head):], True)]
+        done = full
+    return pieces
+
+
 def chat_pieces(messages: list[dict], llama3: bool, eos: str) -> list[tuple[str, bool]]:
-    """[(text, trained)] for {role, content} messages; special tokens are literal strings."""
+    """The built-in formats: [(text, trained)] for {role, content} messages; special tokens are literal."""
     out = []
     for m in messages:
         trained = m["role"] == "assistant"
@@ -53,9 +129,10 @@ def assistant_header(llama3: bool) -> str:
 
 
 def render_chat(tokenizer, messages: list[dict]) -> tuple[str, list[str]]:
-    """(prompt text with its special tokens written out, implicit stop strings) for serving."""
+    """(prompt text with its special tokens written out, implicit stop strings) for serving: the text
+    training put before the assistant's reply."""
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), []
+        return _apply(tokenizer, messages, True), []
     llama3 = is_llama3_chat(tokenizer)
     text = "".join(t for t, _ in chat_pieces(messages, llama3, tokenizer.eos_token or ""))
     return (tokenizer.bos_token or "") + text + assistant_header(llama3), [] if llama3 else list(PLAIN_STOPS)

@@ -1,4 +1,5 @@
-"""Tokenizers: load any Hugging Face tokenizer directory; train the course's byte-level BPE.
+"""Tokenizers: load any Hugging Face tokenizer directory (tokenizer.json, or a SentencePiece
+tokenizer.model that transformers converts, as for Llama 2 and Vicuna); train the course's byte-level BPE.
 
 The course tokenizer is GPT-2/Llama-3 style byte-level BPE (every byte string is encodable, so any
 prompt template works), with Llama 3's special-token names: `<|begin_of_text|>` (BOS, added by
@@ -28,23 +29,43 @@ class TokenizerError(ValueError):
 
 
 def load_tokenizer(path: str | os.PathLike):
-    """A `transformers.PreTrainedTokenizerFast` from a checkpoint or tokenizer directory (offline)."""
+    """A fast `transformers` tokenizer from a checkpoint or tokenizer directory (offline): its tokenizer.json,
+    else its SentencePiece tokenizer.model converted by transformers (the ids `AutoTokenizer` gives)."""
     # transformers costs seconds to import: loaded when a tokenizer is, not by every command that imports us
     from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
     p = Path(path)
     if not p.is_dir():
         raise TokenizerError(f"{p}: not a directory (expected a checkpoint or tokenizer directory)")
-    if not (p / "tokenizer.json").is_file():
-        found = sorted(f.name for f in p.iterdir())
-        raise TokenizerError(f"{p}: no tokenizer.json (a fast tokenizer is required); found {found}")
+    what = p / "tokenizer.json"
+    if not what.is_file():
+        what = p / "tokenizer.model"  # SentencePiece (Llama 2, Vicuna): transformers converts it
+        if not what.is_file():
+            found = sorted(f.name for f in p.iterdir())
+            raise TokenizerError(f"{p}: no tokenizer.json or SentencePiece tokenizer.model; found {found}")
+        _check_sentencepiece(what)
     try:
         tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
-    except Exception as e:  # transformers raises many types; one line naming the directory is what helps
-        raise TokenizerError(f"{p}: could not load the tokenizer: {type(e).__name__}: {e}") from None
+    except Exception as e:  # transformers raises many types; one line naming the file is what helps
+        msg = str(e).splitlines()[0] if str(e) else ""
+        raise TokenizerError(f"{what}: could not load the tokenizer: {type(e).__name__}: {msg}") from None
     if not isinstance(tok, PreTrainedTokenizerBase) or not getattr(tok, "is_fast", False):
         raise TokenizerError(f"{p}: loaded {type(tok).__name__}, expected a fast (tokenizer.json) tokenizer")
     return tok
+
+
+def _check_sentencepiece(path: Path) -> None:
+    """A SentencePiece model file that sentencepiece itself can open (else one line naming the file)."""
+    try:
+        import sentencepiece  # optional until a SentencePiece tokenizer is read (a compiled extension)
+    except ImportError:
+        raise TokenizerError(f"{path}: reading a SentencePiece tokenizer needs the sentencepiece package "
+                             "(pip install sentencepiece protobuf)") from None
+    try:
+        sentencepiece.SentencePieceProcessor(model_proto=path.read_bytes())
+    except Exception:  # RuntimeError or a protobuf DecodeError, depending on the damage
+        raise TokenizerError(f"{path}: not a valid SentencePiece model (sentencepiece cannot parse it; "
+                             f"{path.stat().st_size} bytes)") from None
 
 
 def pad_id(tokenizer) -> int:
@@ -119,6 +140,6 @@ def encode_fast(model_dir: str | os.PathLike, text: str):
     the same ids as `load_tokenizer(model_dir)(text)` without importing transformers (~5 s of a command's
     start). A directory without tokenizer.json gets load_tokenizer's error naming what is missing."""
     f = Path(model_dir) / "tokenizer.json"
-    if not f.is_file():
-        load_tokenizer(model_dir)  # raises a TokenizerError naming what is missing
+    if not f.is_file():  # a SentencePiece directory (converted by transformers), or a TokenizerError
+        return np.asarray(load_tokenizer(model_dir)(text)["input_ids"], np.int32)
     return np.asarray(Tokenizer.from_file(str(f)).encode(text).ids, np.int32)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from amdllm.io.templates import alpaca_pieces, chat_pieces, is_llama3_chat
+from amdllm.io.templates import alpaca_pieces, chat_pieces, is_llama3_chat, template_pieces
 from amdllm.io.tokenizer import pad_id
 
 
@@ -99,23 +99,35 @@ def _pieces(row: dict, shape: str, llama3: bool, eos: str) -> list[tuple[str, bo
 
 
 def encode_row(row: dict, tokenizer, shape: str | None = None, where: str = "row") -> tuple[list[int], list[int]]:
-    """(ids, mask): mask 1 where the token is part of a response (so predicting it is trained)."""
+    """(ids, mask): mask 1 where the token is part of a response (so predicting it is trained).
+    Chat rows use the tokenizer's chat template when it has one (`amdllm.io.templates`)."""
     shape = shape or row_shape(row, where)
-    llama3 = is_llama3_chat(tokenizer)
-    eos = tokenizer.eos_token or ""
-    if not eos and shape != "plain" and not llama3:
-        raise DataError("the tokenizer has no EOS token; the response template needs one")
-    ids, mask = [], []
-    if tokenizer.bos_token_id is not None:
-        ids, mask = [tokenizer.bos_token_id], [0]
-    pieces = _pieces(row, shape, llama3, eos)
+    if shape == "chat" and getattr(tokenizer, "chat_template", None):
+        pieces = template_pieces(tokenizer, row["messages"])  # the template writes BOS if it wants one
+    else:
+        llama3 = is_llama3_chat(tokenizer)
+        eos = tokenizer.eos_token or ""
+        if not eos and shape != "plain" and not llama3:
+            raise DataError("the tokenizer has no EOS token; the response template needs one")
+        bos = tokenizer.bos_token if tokenizer.bos_token_id is not None else ""
+        pieces = [(bos or "", False)] + _pieces(row, shape, llama3, eos)
     while pieces and not pieces[-1][1]:  # trailing prompt pieces (after the last reply) teach nothing
         pieces.pop()
-    for text, trained in pieces:
-        t = tokenizer(text, add_special_tokens=False)["input_ids"]
-        ids += t
-        mask += [int(trained)] * len(t)
-    return ids, mask
+    return tokenize_pieces(tokenizer, pieces)
+
+
+def tokenize_pieces(tokenizer, pieces: list[tuple[str, bool]]) -> tuple[list[int], list[int]]:
+    """(ids, mask) of the pieces' joined text, tokenized once, as the server tokenizes a prompt (pieces
+    tokenized one by one could differ at the seams: SentencePiece adds a "▁" to each). A token is
+    trained when its first character lies in a trained piece."""
+    text, spans, at = "", [], 0
+    for t, trained in pieces:
+        if trained:
+            spans.append((at, at + len(t)))
+        text, at = text + t, at + len(t)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [int(any(a <= start < b for a, b in spans)) for start, _ in enc["offset_mapping"]]
+    return list(enc["input_ids"]), mask
 
 
 def prompt_ids(row: dict, tokenizer) -> list[int]:

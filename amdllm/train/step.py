@@ -1,13 +1,14 @@
-"""One compiled LoRA training step, and its evaluation twin (the Flax examples' loss_fn / train_step /
-eval_step).
+"""One compiled training step, and its evaluation twin (the Flax examples' loss_fn / train_step /
+eval_step). The course trains two ways with it: LoRA fine-tuning (`finetune`) and, with `full=True`,
+pretraining the default model from scratch (`amdllm.course.default_model`).
 
 The step (`make_train_step`) is ONE `jax.jit`: K micro-batches run under `lax.scan` (memory of one
-micro-batch), gradients are taken with respect to the LoRA factors only (the frozen weights are
-arguments of the loss but never differentiated, so no gradient buffer of their size exists), then
-global-norm clipping and AdamW (warmup + cosine) run inside the same computation. The LoRA factors and
-optimizer state are donated: updated in place. LoRA weights and optimizer state stay float32 whatever
-the compute dtype (bf16 on accelerators). With a mesh, parameters and batches carry shardings and the
-same function runs sharded (XLA inserts the FSDP all-gathers / reduce-scatters).
+micro-batch), gradients are taken with respect to the trained parameters only (with LoRA, the frozen
+weights are arguments of the loss but never differentiated, so no gradient buffer of their size
+exists), then global-norm clipping and AdamW (warmup + cosine) run inside the same computation. The
+trained parameters and optimizer state are donated: updated in place. LoRA weights and optimizer state
+stay float32 whatever the compute dtype (bf16 on accelerators). With a mesh, parameters and batches
+carry shardings and the same function runs sharded (XLA inserts the FSDP all-gathers / reduce-scatters).
 
 Loss normalisation: the step's loss is sum(token NLL * weight) / sum(weight) over the WHOLE batch
 (all K micro-batches), so K micro-batches of B rows give the same update as one batch of K*B rows.
@@ -26,7 +27,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from amdllm.model import Llama, LoRAParam, forward, token_nll
+from amdllm.model import Llama, LoRAParam, forward, to_pure, token_nll
 from amdllm.cpu import cpu_compiler_options
 import amdllm.parallel.plan as plan
 from amdllm.parallel.sharding import batch_sharding
@@ -57,19 +58,26 @@ class TrainConfig:
     keep: int = 2                # checkpoints kept
 
 
-def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+def make_optimizer(tc: TrainConfig, decay_mask=None) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """Global-norm clipping, then AdamW with warmup + cosine. decay_mask: a pytree of bools like the
+    trained parameters (True: apply weight decay), or None for all of them."""
     warmup = tc.warmup if tc.warmup is not None else max(1, tc.steps // 20)
     sched = optax.warmup_cosine_decay_schedule(0.0, tc.lr, min(warmup, tc.steps), max(tc.steps, warmup + 1),
                                                end_value=tc.lr * tc.min_lr_ratio)
     return optax.chain(optax.clip_by_global_norm(tc.clip),
-                       optax.adamw(sched, b1=tc.b1, b2=tc.b2, weight_decay=tc.weight_decay)), sched
+                       optax.adamw(sched, b1=tc.b1, b2=tc.b2, weight_decay=tc.weight_decay,
+                                   mask=decay_mask)), sched
 
 
 # --------------------------------------------------------------------------------------------------
-# Parameters: LoRA (trained) vs frozen, as pure dicts
+# Parameters: trained (LoRA factors, or everything) vs frozen, as pure dicts
 # --------------------------------------------------------------------------------------------------
-def split_params(model: Llama) -> tuple[dict, dict]:
-    """(lora, frozen): `nnx.split` by type, so only LoRAParam leaves are ever differentiated."""
+def split_params(model: Llama, full: bool = False) -> tuple[dict, dict]:
+    """(trained, frozen). LoRA: the LoRAParam leaves of the layers (`nnx.split` by type, so only they are
+    ever differentiated) and all other weights. full: {"top", "layers"} of every weight, nothing frozen."""
+    if full:
+        top, layers = to_pure(model)
+        return {"top": top, "layers": layers}, {}
     _, lora_state, frozen_state = nnx.split(model, LoRAParam, nnx.Param)
     lora = nnx.to_pure_dict(lora_state).get("layers", {})
     if not lora:
@@ -77,10 +85,16 @@ def split_params(model: Llama) -> tuple[dict, dict]:
     return lora, nnx.to_pure_dict(frozen_state)
 
 
-def loss_sums(lora, frozen, batch, rng, *, model: Llama):
+def top_and_layers(trained, frozen, full: bool = False) -> tuple[dict, dict]:
+    """The (top, layers) that `forward` takes, from the trained and the frozen parameters."""
+    if full:
+        return trained["top"], trained["layers"]
+    return {k: v for k, v in frozen.items() if k != "layers"}, {**frozen["layers"], **trained}
+
+
+def loss_sums(trained, frozen, batch, rng, *, model: Llama, full: bool = False):
     """(sum of weighted token NLL, sum of weights) for one micro-batch; batch leaves [B, T]."""
-    top = {k: v for k, v in frozen.items() if k != "layers"}
-    layers = {**frozen["layers"], **lora}
+    top, layers = top_and_layers(trained, frozen, full)
     logits, _ = forward(model.cfg, top, layers, batch["tokens"], positions=batch["positions"],
                         segment_ids=batch["segment_ids"], run=model.run(),
                         dropout_rng=rng if model.lora_dropout > 0 else None)  # [B, T, V] float32
@@ -89,40 +103,42 @@ def loss_sums(lora, frozen, batch, rng, *, model: Llama):
     return jnp.sum(nll * w), jnp.sum(w)
 
 
-def loss_fn(lora, frozen, batch, rng=None, *, model: Llama):
+def loss_fn(trained, frozen, batch, rng=None, *, model: Llama, full: bool = False):
     """Mean NLL over response tokens of one [B, T] batch (what the step minimises)."""
-    s, n = loss_sums(lora, frozen, batch, rng, model=model)
+    s, n = loss_sums(trained, frozen, batch, rng, model=model, full=full)
     return s / jnp.maximum(n, 1.0)
 
 
-def make_train_step(model: Llama, optimizer: optax.GradientTransformation):
-    """jit(step)(lora, opt_state, frozen, batch [K, B, T] leaves, rng) -> (lora, opt_state, metrics).
+def make_train_step(model: Llama, optimizer: optax.GradientTransformation, full: bool = False):
+    """jit(step)(trained, opt_state, frozen, batch [K, B, T] leaves, rng) -> (trained, opt_state, metrics).
 
-    lora and opt_state are donated. The compiled function is cached by jit per shapes/shardings.
+    trained and opt_state are donated. The compiled function is cached by jit per shapes/shardings.
     """
-    sums = partial(loss_sums, model=model)
+    sums = partial(loss_sums, model=model, full=full)
 
-    def step(lora, opt_state, frozen, batch, rng):
+    def step(trained, opt_state, frozen, batch, rng):
         K = batch["tokens"].shape[0]
         total_w = jnp.maximum(jnp.sum(batch["weights"].astype(jnp.float32)), 1.0)
 
-        def micro(carry, xs):  # one micro-batch: forward + backward w.r.t. LoRA only
+        def micro(carry, xs):  # one micro-batch: forward + backward w.r.t. the trained parameters only
             g_acc, l_acc = carry
             mb, k = xs
-            (s, _), g = jax.value_and_grad(sums, has_aux=True)(lora, frozen, mb, jax.random.fold_in(rng, k))
+            # the micro-batch's share of the whole batch's mean, so K micro-batches of B rows give
+            # one batch of K*B rows
+            mean_part = lambda *a: (lambda s, n: (s / total_w, s))(*sums(*a))  # noqa: E731
+            (_, s), g = jax.value_and_grad(mean_part, has_aux=True)(trained, frozen, mb, jax.random.fold_in(rng, k))
             return (jax.tree.map(jnp.add, g_acc, g), l_acc + s), None
 
-        zeros = jax.tree.map(jnp.zeros_like, lora)
-        (g, lsum), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32)), (batch, jnp.arange(K)))
-        grads = jax.tree.map(lambda x: x / total_w, g)
+        zeros = jax.tree.map(jnp.zeros_like, trained)
+        (grads, lsum), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32)), (batch, jnp.arange(K)))
         loss = lsum / total_w
         gnorm = optax.global_norm(grads)
-        updates, new_opt = optimizer.update(grads, opt_state, lora)
-        new_lora = optax.apply_updates(lora, updates)
+        updates, new_opt = optimizer.update(grads, opt_state, trained)
+        new_trained = optax.apply_updates(trained, updates)
         ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)  # a bad step changes nothing
         keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
-        new_lora, new_opt = jax.tree.map(keep, new_lora, lora), jax.tree.map(keep, new_opt, opt_state)
-        return new_lora, new_opt, {"loss": loss, "grad_norm": gnorm, "ok": ok, "weight": total_w}
+        new_trained, new_opt = jax.tree.map(keep, new_trained, trained), jax.tree.map(keep, new_opt, opt_state)
+        return new_trained, new_opt, {"loss": loss, "grad_norm": gnorm, "ok": ok, "weight": total_w}
 
     return jax.jit(step, donate_argnums=(0, 1), compiler_options=cpu_compiler_options("train"))
 

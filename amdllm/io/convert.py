@@ -1,0 +1,136 @@
+"""Rewrite a checkpoint as users should keep it: safetensors shards plus tokenizer.json.
+
+Releases such as Vicuna and Llama 2 ship pickled `pytorch_model-*.bin` shards in float16 and a
+SentencePiece `tokenizer.model`; Vicuna v0 also ships *delta* weights that must be added to the base
+LLaMA first. `convert` reads whatever `TensorSource` can (safetensors, or pickles with allow_pickle),
+writes every tensor under its own Hugging Face name in the dtype asked for, one tensor in memory at a
+time, and saves the tokenizer through transformers, so the result needs neither torch nor pickle.
+
+Delta weights follow FastChat's `apply_delta` (fastchat/model/apply_delta.py): both checkpoints are
+read as float16 and target = delta + base, where the delta's embedding and head may have extra rows
+(tokens added for fine-tuning) and only the first rows of those receive the base. The target takes the
+delta's config and tokenizer.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from amdllm.config import LlamaConfig
+from amdllm.files import atomic_write_text, read_json
+from amdllm.io.checkpoint import validate
+from amdllm.io.names import TOKENIZER_FILES
+from amdllm.io.safetensors import CheckpointError, TensorSource, write_sharded
+from amdllm.io.tokenizer import load_tokenizer
+
+DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16),
+          "float32": np.dtype(np.float32)}
+VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")  # rows = tokens: a delta may add some
+
+
+def read_config(path: Path, role: str) -> tuple[dict, LlamaConfig]:
+    """(raw config.json, LlamaConfig) of a dense checkpoint directory; errors name the file."""
+    if not path.is_dir():
+        raise CheckpointError(f"{role} {path}: not a checkpoint directory" + ("" if path.exists() else " (not found)"))
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{role} {path}: config.json not found (is this a Hugging Face checkpoint directory?)")
+    raw = read_json(cfg_file, CheckpointError)
+    if raw.get("quantization_config") or (path / "quantize_config.json").is_file():
+        raise CheckpointError(f"{cfg_file}: a quantized (GPTQ) checkpoint; convert rewrites dense checkpoints")
+    return raw, LlamaConfig.from_dict(raw, source=str(cfg_file))  # names the file and the setting
+
+
+def check_delta(delta: TensorSource, base: TensorSource, names: list[str]) -> None:
+    """Every delta tensor has a base tensor of the same shape, except that the vocabulary tensors may
+    have more rows in the delta. One error naming the first tensor and file at fault."""
+    have = set(base.names())
+    for n in names:
+        if n not in have:
+            raise CheckpointError(f"--delta-base {base.path}: has no tensor {n!r}, which the delta {delta.path} has")
+        d, b = tuple(delta.shape(n)), tuple(base.shape(n))
+        ok = (d[1:] == b[1:] and d[0] >= b[0]) if n in VOCAB_TENSORS else d == b
+        if not ok:
+            rule = "the same width and at least as many rows" if n in VOCAB_TENSORS else "the same shape"
+            raise CheckpointError(f"{delta.path}: delta tensor {n!r} has shape {list(d)} but the base "
+                                  f"{base.path} has {list(b)} (a delta needs {rule})")
+
+
+def apply_delta(delta: np.ndarray, base: np.ndarray) -> np.ndarray:
+    """FastChat's rule, in float16 as FastChat computes it: delta + base over the base's rows."""
+    out = np.array(delta, dtype=np.float16)
+    out[:base.shape[0]] += np.asarray(base, dtype=np.float16)
+    return out
+
+
+def _replace_dir(staging: Path, out: Path) -> None:
+    """Put the finished `staging` directory at `out`, replacing an old one only after it is complete."""
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+    os.replace(staging, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def convert(src, out, *, dtype: str | None = None, allow_pickle: bool = False, delta_base=None,
+            max_shard_size="5GB", overwrite: bool = False) -> dict:
+    """Write checkpoint `src` (with `delta_base`: the target of delta weights `src`) to `out` as
+    safetensors + tokenizer.json. dtype: float16 | bfloat16 | float32 (default: the stored one; float16
+    for a delta, as FastChat). Returns a report: tensors, bytes, files, dtype, seconds."""
+    t0 = time.perf_counter()
+    src, out = Path(src), Path(out)
+    raw, cfg = read_config(src, "--model")
+    inputs = [src] + ([Path(delta_base)] if delta_base is not None else [])
+    if any(out.resolve() == p.resolve() for p in inputs):
+        raise CheckpointError(f"--out {out}: is an input directory; convert never writes over its input")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise CheckpointError(f"--out {out}: exists and is not empty; pass --overwrite to replace it")
+    if dtype is not None and dtype not in DTYPES:
+        raise CheckpointError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
+    source = TensorSource(src, allow_pickle=allow_pickle)
+    names = list(validate(source, cfg))  # every tensor checked against config.json first, in HF order
+    base = None
+    if delta_base is not None:
+        _, base_cfg = read_config(Path(delta_base), "--delta-base")
+        base = TensorSource(delta_base, allow_pickle=allow_pickle)
+        validate(base, base_cfg)
+        check_delta(source, base, names)
+    out_dt = DTYPES[dtype] if dtype else (np.dtype(np.float16) if base is not None else source.dtype(names[0]))
+
+    def entry(n):
+        def fetch():  # called by the writer just before tensor n's bytes are written
+            try:
+                return apply_delta(source.get(n), base.get(n)) if base is not None else source.get(n)
+            finally:  # the file pages this tensor touched go back
+                source.release(n)
+                if base is not None:
+                    base.release(n)
+        return (n, tuple(source.shape(n)), out_dt, fetch)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        files = write_sharded(staging, [entry(n) for n in names], max_shard_size, desc=f"converting {src.name}")
+        raw = {**raw, "torch_dtype": out_dt.name, "dtype": out_dt.name}  # transformers 4 / 5 spellings
+        atomic_write_text(staging / "config.json", json.dumps(raw, indent=2) + "\n")
+        for n in TOKENIZER_FILES:  # generation config, chat template, the original tokenizer files
+            if (src / n).is_file():
+                shutil.copyfile(src / n, staging / n)
+        load_tokenizer(src).save_pretrained(str(staging))  # tokenizer.json, converted if need be
+        _replace_dir(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return {"model": str(src), "out": str(out), "delta_base": None if base is None else str(delta_base),
+            "dtype": out_dt.name, "tensors": len(names), "files": files,
+            "bytes": sum(int(np.prod(source.shape(n), dtype=np.int64)) * out_dt.itemsize for n in names),
+            "seconds": round(time.perf_counter() - t0, 2)}

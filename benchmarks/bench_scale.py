@@ -1,0 +1,357 @@
+"""The 1B class on a laptop: every command on a Llama-3.2-1B-shaped checkpoint, beside its peer, each in
+its own process, with wall time and peak resident memory.
+
+The checkpoint is written here: random bf16 weights (normal, std 0.02) in the Llama 3.2 1B shape (1.24B
+parameters, vocabulary 128256, tied embeddings, Llama 3 RoPE scaling), with the course tokenizer (its ids
+use only the first rows of the vocabulary; tokenization is not what is measured). Then:
+
+  eval bf16 / fp32    `amdllm eval --dtype D`        vs transformers, the same protocol (docs/cli.md)
+  generate            `amdllm generate`, 64 tokens   vs transformers' greedy `generate`, bf16
+  quantize            `amdllm quantize` 4-bit g128, 16 x 256 calibration   vs GPTQModel (when installed)
+  finetune            `amdllm finetune`, 4 steps, batch 1 x 256, r8       vs peft + torch AdamW, float32
+  serve               `amdllm serve` start + one chat request             (no peer)
+  convert             `amdllm convert` to float16    vs transformers from_pretrained + save_pretrained
+  convert 8B          `amdllm convert` of a Llama-3.1-8B-shaped bf16 checkpoint (16 GB, written here)
+
+Each row is one child process; the parent reads the child's wall time and peak RSS (its own
+RUSAGE_CHILDREN, measured in a fresh wrapper process per row, so rows never mix). Nothing else should
+run on the machine meanwhile. Not part of `make test` (about 40 minutes on 2 cores; the 8B rows need
+32 GB of free disk).
+
+    python benchmarks/bench_scale.py [--work build/scale] [--only eval,generate,...] [--skip-8b] [--keep]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import table, write_json  # noqa: E402
+
+LLAMA32_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                  num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
+                  rms_norm_eps=1e-5, tie_word_embeddings=True,
+                  rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                  rope_theta=500000.0)
+LLAMA31_8B = dict(LLAMA32_1B, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                  head_dim=128, tie_word_embeddings=False,
+                  rope_scaling=dict(LLAMA32_1B["rope_scaling"], factor=8.0))
+TINY = dict(LLAMA32_1B, vocab_size=1152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # --shape tiny: checks the script only
+ROWS = ("eval", "generate", "quantize", "finetune", "serve", "convert", "convert8b")
+PROMPT = "Once upon a time, there was a little red fox who"
+EVAL_CHARS = 5200  # ~1,150 course-tokenizer tokens of the held-out stories
+
+
+# ------------------------------------------------------------------------------------------------
+# The checkpoints
+# ------------------------------------------------------------------------------------------------
+def write_checkpoint(out: Path, shape: dict, seed: int = 0, max_shard_size="2GB") -> int:
+    """A random bf16 Llama checkpoint of `shape`, streamed tensor by tensor; returns its weight bytes."""
+    import ml_dtypes
+
+    from amdllm.config import LlamaConfig
+    from amdllm.io.checkpoint import hf_tensor_specs
+    from amdllm.io.safetensors import write_sharded
+    from amdllm.io.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(REPO / "data" / "tokenizer")
+    raw = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+           "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "torch_dtype": "bfloat16",
+           "dtype": "bfloat16", "initializer_range": 0.02, "attention_bias": False, "mlp_bias": False,
+           **shape}
+    cfg = LlamaConfig.from_dict(raw)
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+
+    def fetch(i, shp, norm):
+        def f():
+            if norm:
+                return np.ones(shp, bf16)
+            return (np.random.default_rng([seed, i]).standard_normal(shp, np.float32) * 0.02).astype(bf16)
+        return f
+
+    specs = hf_tensor_specs(cfg)
+    entries = [(n, s[3], bf16, fetch(i, s[3], n.endswith("norm.weight"))) for i, (n, s) in enumerate(specs.items())]
+    out.mkdir(parents=True, exist_ok=True)
+    write_sharded(out, entries, max_shard_size, desc=f"writing {out.name}")
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(REPO / "data" / "tokenizer" / f, out / f)
+    return sum(int(np.prod(e[1], dtype=np.int64)) * 2 for e in entries)
+
+
+# ------------------------------------------------------------------------------------------------
+# One measured child process
+# ------------------------------------------------------------------------------------------------
+MEASURE = r"""
+import json, resource, subprocess, sys, time
+t0 = time.perf_counter()
+p = subprocess.run(sys.argv[1:], capture_output=True, text=True)
+wall = time.perf_counter() - t0
+ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+print(json.dumps({"rc": p.returncode, "wall_s": round(wall, 1), "cpu_s": round(ru.ru_utime + ru.ru_stime, 1),
+                  "peak_rss_gb": round(ru.ru_maxrss * 1024 / 1e9, 2), "stdout": p.stdout[-4000:],
+                  "stderr": p.stderr[-3000:]}))
+"""
+
+
+def measured(argv: list[str], env: dict | None = None) -> dict:
+    """Run argv in its own process (through a fresh wrapper): {rc, wall_s, cpu_s, peak_rss_gb, stdout, stderr}."""
+    env = {**os.environ, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1", **(env or {})}
+    p = subprocess.run([sys.executable, "-c", MEASURE, *argv], capture_output=True, text=True, env=env)
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    if r["rc"] != 0:
+        print(f"  FAILED ({r['rc']}): {' '.join(argv[:6])} ...\n{r['stderr'][-1500:]}", file=sys.stderr)
+    return r
+
+
+def amdllm(*args) -> list[str]:
+    return [sys.executable, "-m", "amdllm.cli", *args]
+
+
+def last_json(stdout: str) -> dict:
+    for line in reversed(stdout.strip().splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    return {}
+
+
+# ------------------------------------------------------------------------------------------------
+# Peers (each runs as `python bench_scale.py --peer NAME ...` in its own process)
+# ------------------------------------------------------------------------------------------------
+def peer_eval(model: str, text: str, dtype: str) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    torch.set_num_threads(os.cpu_count())
+    m = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
+    ids = AutoTokenizer.from_pretrained(model)(Path(text).read_text()[:EVAL_CHARS])["input_ids"]
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for s in range(0, len(ids), 256):
+            w = ids[s:s + 256]
+            if len(w) < 2:
+                continue
+            logits = m(input_ids=torch.tensor([w])).logits[0].float()
+            total += torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(w[1:]), reduction="sum").item()
+            count += len(w) - 1
+    return {"nll": total / count, "tokens": count}
+
+
+def peer_generate(model: str) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).eval()
+    ids = torch.tensor([AutoTokenizer.from_pretrained(model)(PROMPT)["input_ids"]])
+    m.generate(ids, max_new_tokens=4, do_sample=False, min_new_tokens=4)  # warm-up, as amdllm compiles first
+    t0 = time.perf_counter()
+    out = m.generate(ids, max_new_tokens=64, min_new_tokens=64, do_sample=False)
+    return {"tokens_per_second": 64 / (time.perf_counter() - t0), "new_tokens": int(out.shape[1] - ids.shape[1])}
+
+
+def peer_finetune(model: str, data: str) -> dict:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    m = get_peft_model(m, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                         "gate_proj", "up_proj", "down_proj"]))
+    tok = AutoTokenizer.from_pretrained(model)
+    text = " ".join(json.loads(line)["text"] for line in open(data))
+    ids = tok(text)["input_ids"][:257]
+    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=2e-4)
+    x, y = torch.tensor([ids[:-1]]), torch.tensor([ids[1:]])
+    times = []
+    for _ in range(4):
+        t0 = time.perf_counter()
+        loss = torch.nn.functional.cross_entropy(m(input_ids=x).logits[0], y[0])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - t0)
+    return {"step_seconds": times, "loss": float(loss)}
+
+
+def peer_convert(model: str, out: str) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    AutoModelForCausalLM.from_pretrained(model, dtype=torch.float16).save_pretrained(out)
+    AutoTokenizer.from_pretrained(model).save_pretrained(out)
+    return {}
+
+
+def peer_main(argv) -> int:
+    name, *rest = argv
+    fn = {"eval": peer_eval, "generate": peer_generate, "finetune": peer_finetune, "convert": peer_convert}[name]
+    print(json.dumps(fn(*rest)))
+    return 0
+
+
+def serve_once(model: str) -> dict:
+    """`amdllm serve` started, one chat request answered, stopped: run as its own measured process."""
+    import urllib.request
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(amdllm("serve", "--model", model, "--port", str(port), "--dtype", "bfloat16"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(proc.stderr.read()[-2000:])
+            try:
+                served = json.loads(urllib.request.urlopen(url + "/v1/models", timeout=2).read())["data"][0]["id"]
+                break
+            except OSError:
+                time.sleep(1)
+        ready = time.perf_counter() - t0
+        body = json.dumps({"model": served, "messages": [{"role": "user", "content": "Tell me a story."}],
+                           "max_tokens": 16, "temperature": 0}).encode()
+        t1 = time.perf_counter()
+        req = urllib.request.Request(url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        answer = json.loads(urllib.request.urlopen(req, timeout=600).read())
+        return {"ready_s": round(ready, 1), "request_s": round(time.perf_counter() - t1, 2),
+                "completion_tokens": answer["usage"]["completion_tokens"]}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+# ------------------------------------------------------------------------------------------------
+# The run
+# ------------------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--work", default="build/scale", help="where the checkpoints and outputs go")
+    p.add_argument("--only", default=",".join(ROWS), help=f"rows to run, of {','.join(ROWS)}")
+    p.add_argument("--skip-8b", action="store_true", help="leave out the 8B-shaped convert row")
+    p.add_argument("--shape", choices=("1b", "tiny"), default="1b", help="tiny: a seconds-long run of the script")
+    p.add_argument("--keep", action="store_true", help="keep the written checkpoints")
+    p.add_argument("--gptqmodel-python", default=os.environ.get("AMDLLM_GPTQMODEL_PYTHON"),
+                   help="interpreter with gptqmodel (default $AMDLLM_GPTQMODEL_PYTHON; the row is skipped without)")
+    p.add_argument("--out", default="bench_results", help="directory for scale.json")
+    a = p.parse_args(argv)
+    only = set(a.only.split(",")) - ({"convert8b"} if a.skip_8b else set())
+    work = Path(a.work).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    ck = work / ("llama-3.2-1b-shape" if a.shape == "1b" else "tiny-shape")
+    t0 = time.perf_counter()
+    if not (ck / "config.json").is_file():
+        nbytes = write_checkpoint(ck, LLAMA32_1B if a.shape == "1b" else TINY)
+    else:
+        nbytes = sum(f.stat().st_size for f in ck.glob("*.safetensors"))
+    print(f"checkpoint {ck}: {nbytes / 1e9:.2f} GB bf16 (written in {time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    text = work / "heldout.txt"
+    text.write_text((REPO / "data" / "corpus_heldout.txt").read_text()[:EVAL_CHARS])
+    data = work / "train.jsonl"
+    lines = (REPO / "data" / "corpus_train.txt").read_text().splitlines()[:40]
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
+    me = [sys.executable, str(Path(__file__).resolve()), "--peer"]
+    rows = []
+
+    def row(op, ours, peer=None, peer_name="", note="", ours_bytes=nbytes):
+        r = {"operation": op, "amdllm_s": ours["wall_s"], "amdllm_rss_gb": ours["peak_rss_gb"],
+             "amdllm_rss_vs_checkpoint": round(ours["peak_rss_gb"] * 1e9 / ours_bytes, 2) if ours_bytes else None,
+             "peer": peer_name, "peer_s": peer["wall_s"] if peer else None,
+             "peer_rss_gb": peer["peak_rss_gb"] if peer else None, "note": note,
+             "ok": ours["rc"] == 0 and (peer is None or peer["rc"] == 0)}
+        rows.append(r)
+        print(json.dumps(r), file=sys.stderr, flush=True)
+
+    if "eval" in only:
+        for dt in ("bfloat16", "float32"):
+            ours = measured(amdllm("eval", "--model", str(ck), "--text", str(text), "--dtype", dt, "--json"))
+            peer = measured(me + ["eval", str(ck), str(text), dt])
+            o, t = last_json(ours["stdout"]), last_json(peer["stdout"])
+            row(f"eval {dt} ({o.get('tokens')} tokens)", ours, peer, "transformers",
+                f"nll {o.get('nll', float('nan')):.5f} vs {t.get('nll', float('nan')):.5f}",
+                ours_bytes=nbytes * (2 if dt == "float32" else 1))
+    if "generate" in only:
+        ours = measured(amdllm("generate", "--model", str(ck), "--prompt", PROMPT, "--max-new-tokens", "64",
+                               "--dtype", "bfloat16", "--json"))
+        peer = measured(me + ["generate", str(ck)])
+        o, t = last_json(ours["stdout"]), last_json(peer["stdout"])
+        row("generate 64 tokens bf16", ours, peer, "transformers",
+            f"{o.get('tokens_per_second', 0):.2f} vs {t.get('tokens_per_second', 0):.2f} tok/s")
+    if "quantize" in only:
+        q = work / "gptq4"
+        shutil.rmtree(q, ignore_errors=True)
+        ours = measured(amdllm("quantize", "--model", str(ck), "--out", str(q), "--bits", "4", "--group-size", "128",
+                               "--samples", "16", "--seq-len", "256", "--calib", str(REPO / "data" / "corpus_train.txt"),
+                               "--json"))
+        peer = None
+        if a.gptqmodel_python:
+            from amdllm.io.tokenizer import encode_fast
+            from amdllm.quant.calibrate import calibration_windows
+            win = work / "windows.npy"
+            np.save(win, np.asarray(calibration_windows(encode_fast(ck, (REPO / "data" / "corpus_train.txt").read_text()),
+                                                        16, 256, 0)))
+            code = ("import sys; sys.path.insert(0, %r); import bench_gptq; bench_gptq.gptqmodel_side(%r, %r, %r, 128, False)"
+                    % (str(Path(__file__).resolve().parent), str(ck), str(win), str(work / "gptq4-gm")))
+            peer = measured([a.gptqmodel_python, "-c", code], env={"GPTQMODEL_CPU_WORKERS": str(os.cpu_count())})
+        row("quantize 4-bit g128, 16x256", ours, peer, "GPTQModel" if peer else "GPTQModel not installed",
+            "bf16 checkpoint; GPTQModel loads it as float32 like the course bench")
+    if "finetune" in only:
+        f = work / "lora"
+        shutil.rmtree(f, ignore_errors=True)
+        ours = measured(amdllm("finetune", "--model", str(ck), "--data", str(data), "--out", str(f), "--steps", "4",
+                               "--batch-size", "1", "--seq-len", "256", "--rank", "8", "--no-progress", "--json"))
+        peer = measured(me + ["finetune", str(ck), str(data)])
+        o, t = last_json(ours["stdout"]), last_json(peer["stdout"])
+        row("finetune 4 steps, 1x256, r8, float32", ours, peer, "peft",
+            f"{o.get('tokens_per_second', 0):.0f} tok/s vs peft's median step "
+            f"{sorted(t.get('step_seconds', [0]))[len(t.get('step_seconds', [0])) // 2]:.1f} s")
+    if "serve" in only:
+        ours = measured([sys.executable, str(Path(__file__).resolve()), "--serve-once", str(ck)])
+        row("serve: start + one chat request, bf16", ours, None, "none", last_json(ours["stdout"]) and
+            json.dumps(last_json(ours["stdout"])))
+    if "convert" in only:
+        c, tc = work / "converted", work / "converted-hf"
+        for d in (c, tc):
+            shutil.rmtree(d, ignore_errors=True)
+        ours = measured(amdllm("convert", "--model", str(ck), "--out", str(c), "--dtype", "float16", "--json"))
+        peer = measured(me + ["convert", str(ck), str(tc)])
+        row("convert bf16 -> float16", ours, peer, "transformers from/save_pretrained")
+    if "convert8b" in only:
+        big = work / "llama-3.1-8b-shape"
+        if not (big / "config.json").is_file():
+            t1 = time.perf_counter()
+            big_bytes = write_checkpoint(big, LLAMA31_8B, max_shard_size="5GB")
+            print(f"8B checkpoint: {big_bytes / 1e9:.1f} GB in {time.perf_counter() - t1:.0f} s", file=sys.stderr)
+        big_bytes = sum(f.stat().st_size for f in big.glob("*.safetensors"))
+        c8 = work / "converted-8b"
+        shutil.rmtree(c8, ignore_errors=True)
+        ours = measured(amdllm("convert", "--model", str(big), "--out", str(c8), "--json"))
+        row("convert 8B-shaped bf16 (16 GB)", ours, None, "none", "target: peak RSS <= 3 GB", ours_bytes=big_bytes)
+        shutil.rmtree(c8, ignore_errors=True)
+        if not a.keep:
+            shutil.rmtree(big, ignore_errors=True)
+
+    print(table(rows, ["operation", "amdllm_s", "amdllm_rss_gb", "amdllm_rss_vs_checkpoint", "peer", "peer_s",
+                       "peer_rss_gb", "note"]))
+    write_json({"checkpoint_bytes": nbytes, "rows": rows}, a.out, "scale")
+    if not a.keep:
+        for d in ("converted", "converted-hf", "gptq4", "gptq4-gm", "lora"):
+            shutil.rmtree(work / d, ignore_errors=True)
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--peer":
+        raise SystemExit(peer_main(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "--serve-once":
+        print(json.dumps(serve_once(sys.argv[2])))
+        raise SystemExit(0)
+    raise SystemExit(main())
