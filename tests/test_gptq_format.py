@@ -254,7 +254,7 @@ def test_quantize_cli_then_eval(tmp_path, capsys):
     assert len(json.loads(capsys.readouterr().out)["token_ids"]) >= 1
     bad = ["quantize", "--model", str(ckpt), "--out", str(tmp_path / "bad"), "--calib", str(tmp_path / "calib.txt")]
     assert cli.main(bad + ["--samples", "1", "--seq-len", "16", "--group-size", "32", "--json"]) == 2
-    assert "too few calibration tokens: 1 x 16 = 16; need at least 256" in capsys.readouterr().err
+    assert "too few calibration tokens: 1 x 16 = 16; need at least 128 (and 256" in capsys.readouterr().err
     assert cli.main(bad + ["--json"]) == 2  # default group size 128 on in_features 64
     err = capsys.readouterr().err  # the sizes at fault, and the flag value that would work
     assert "--group-size 128 does not divide the in_features [64, 128]" in err and "pass --group-size 64" in err

@@ -182,6 +182,20 @@ def _flatten_shardings(sh) -> dict[str, Any]:
     return flat
 
 
+def read_config(path: Path, role: str = "") -> dict:
+    """config.json of checkpoint directory `path` as a dict; errors name the directory (and the flag)."""
+    where = f"{role} {path}" if role else str(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{where}: not a checkpoint directory" + ("" if path.exists() else " (not found)"))
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{where}: config.json not found (is this a Hugging Face checkpoint directory?)")
+    return read_json(path / "config.json", CheckpointError)
+
+
+def is_quantized(path: Path, raw: dict) -> bool:
+    return bool(raw.get("quantization_config")) or (path / "quantize_config.json").is_file()
+
+
 def load(path, *, dtype=jnp.float32, compute_dtype=None, mesh=None, rules=None, shardings=None,
          allow_pickle: bool = False, remat: bool = False) -> Llama:
     """Read an HF Llama checkpoint directory into a `Llama` with parameters in `dtype`.
@@ -191,16 +205,11 @@ def load(path, *, dtype=jnp.float32, compute_dtype=None, mesh=None, rules=None, 
     (a `quantization_config` in config.json) are handed to `amdllm.io.gptq_format.load_quantized`.
     """
     path = Path(path)
-    cfg_file = path / "config.json"
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: not a checkpoint directory" + ("" if path.exists() else " (not found)"))
-    if not cfg_file.is_file():
-        raise CheckpointError(f"{path}: config.json not found (is this a Hugging Face checkpoint directory?)")
-    raw = read_json(cfg_file, CheckpointError)
-    if raw.get("quantization_config") or (path / "quantize_config.json").is_file():
+    raw = read_config(path)
+    if is_quantized(path, raw):
         return load_quantized(path, dtype=dtype, compute_dtype=compute_dtype, mesh=mesh, rules=rules,
                               shardings=shardings, remat=remat)
-    cfg = LlamaConfig.from_dict(raw, source=str(cfg_file))  # ConfigError names file and setting
+    cfg = LlamaConfig.from_dict(raw, source=str(path / "config.json"))  # ConfigError names file and setting
     src = TensorSource(path, allow_pickle=allow_pickle)
     validate(src, cfg)
     dtype = jnp.dtype(dtype)

@@ -23,8 +23,8 @@ import ml_dtypes
 import numpy as np
 
 from amdllm.config import LlamaConfig
-from amdllm.files import atomic_write_text, read_json
-from amdllm.io.checkpoint import validate
+from amdllm.files import atomic_write_text
+from amdllm.io.checkpoint import is_quantized, read_config, validate
 from amdllm.io.names import TOKENIZER_FILES
 from amdllm.io.safetensors import CheckpointError, TensorSource, write_sharded
 from amdllm.io.tokenizer import load_tokenizer
@@ -34,17 +34,12 @@ DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat
 VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")  # rows = tokens: a delta may add some
 
 
-def read_config(path: Path, role: str) -> tuple[dict, LlamaConfig]:
+def dense_config(path: Path, role: str) -> tuple[dict, LlamaConfig]:
     """(raw config.json, LlamaConfig) of a dense checkpoint directory; errors name the file."""
-    if not path.is_dir():
-        raise CheckpointError(f"{role} {path}: not a checkpoint directory" + ("" if path.exists() else " (not found)"))
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise CheckpointError(f"{role} {path}: config.json not found (is this a Hugging Face checkpoint directory?)")
-    raw = read_json(cfg_file, CheckpointError)
-    if raw.get("quantization_config") or (path / "quantize_config.json").is_file():
-        raise CheckpointError(f"{cfg_file}: a quantized (GPTQ) checkpoint; convert rewrites dense checkpoints")
-    return raw, LlamaConfig.from_dict(raw, source=str(cfg_file))  # names the file and the setting
+    raw = read_config(path, role)
+    if is_quantized(path, raw):
+        raise CheckpointError(f"{path / 'config.json'}: a quantized (GPTQ) checkpoint; convert rewrites dense ones")
+    return raw, LlamaConfig.from_dict(raw, source=str(path / "config.json"))  # names the file and the setting
 
 
 def check_delta(delta: TensorSource, base: TensorSource, names: list[str]) -> None:
@@ -87,7 +82,7 @@ def convert(src, out, *, dtype: str | None = None, allow_pickle: bool = False, d
     for a delta, as FastChat). Returns a report: tensors, bytes, files, dtype, seconds."""
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
-    raw, cfg = read_config(src, "--model")
+    raw, cfg = dense_config(src, "--model")
     inputs = [src] + ([Path(delta_base)] if delta_base is not None else [])
     if any(out.resolve() == p.resolve() for p in inputs):
         raise CheckpointError(f"--out {out}: is an input directory; convert never writes over its input")
@@ -99,7 +94,7 @@ def convert(src, out, *, dtype: str | None = None, allow_pickle: bool = False, d
     names = list(validate(source, cfg))  # every tensor checked against config.json first, in HF order
     base = None
     if delta_base is not None:
-        _, base_cfg = read_config(Path(delta_base), "--delta-base")
+        _, base_cfg = dense_config(Path(delta_base), "--delta-base")
         base = TensorSource(delta_base, allow_pickle=allow_pickle)
         validate(base, base_cfg)
         check_delta(source, base, names)
@@ -107,9 +102,10 @@ def convert(src, out, *, dtype: str | None = None, allow_pickle: bool = False, d
 
     def entry(n):
         def fetch():  # called by the writer just before tensor n's bytes are written
-            try:
-                return apply_delta(source.get(n), base.get(n)) if base is not None else source.get(n)
-            finally:  # the file pages this tensor touched go back
+            try:  # a copy in the output dtype (one tensor in memory), so that the source pages can go
+                a = apply_delta(source.get(n), base.get(n)) if base is not None else source.get(n)
+                return a.astype(out_dt, copy=base is None)  # a delta result is already a fresh array
+            finally:  # the file pages this tensor touched go back (they would count in the resident size)
                 source.release(n)
                 if base is not None:
                     base.release(n)

@@ -1,6 +1,6 @@
-"""GPTQ through a whole model: calibration layer by layer, reports, paper sizes, `amdllm quantize`.
+"""GPTQ through a whole model: calibration layer by layer, reports, paper sizes.
 
-Outer loop as in the reference (`llama.py::llama_sequential`, anchors 1.1): embed the calibration
+Outer loop as in the reference (IST-DASLab `llama.py::llama_sequential`): embed the calibration
 windows once, then for each decoder layer accumulate every linear's input second moment
 H = 2/n sum x x^T (float32, streamed batch by batch: the inputs of a linear other than the attention
 output are never all held at once), quantize the layer's linears (true-sequential: q,k,v -> o -> gate,up
@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
@@ -28,6 +29,8 @@ from amdllm.config import LlamaConfig
 from amdllm.model.quantized import QuantLinear
 import amdllm.quant.gptq as gptq
 from amdllm.quant.gptq import GPTQError
+
+MIN_CALIBRATION_TOKENS = 128  # fewer is a slip (--samples 1 --seq-len 16), not a calibration set
 
 UNFUSED = fast.kernels(fuse=False)
 # which captured input feeds which projection; and the true-sequential order
@@ -216,10 +219,15 @@ def quantize_model(model, windows, spec, *, method: str = "gptq", batch_size: in
         if windows.min() < 0 or windows.max() >= cfg.vocab_size:
             raise GPTQError(f"calibration token ids span [{windows.min()}, {windows.max()}] but the model's "
                             f"vocab_size is {cfg.vocab_size}: tokenizer and model do not match")
-        min_tokens = 2 * max(layers[p].shape[1] for p in M.PROJECTIONS)
-        if n * T < min_tokens:
-            raise GPTQError(f"too few calibration tokens: {n} x {T} = {n * T}; need at least {min_tokens} "
-                            "(twice the largest in_features) for a usable Hessian")
+        full_rank = 2 * max(layers[p].shape[1] for p in M.PROJECTIONS)
+        if n * T < MIN_CALIBRATION_TOKENS:
+            raise GPTQError(f"too few calibration tokens: {n} x {T} = {n * T}; need at least "
+                            f"{MIN_CALIBRATION_TOKENS} (and {full_rank}, twice the largest in_features, for "
+                            "full-rank Hessians)")
+        if n * T < full_rank:  # GPTQModel and AutoGPTQ run too: dampening keeps H invertible
+            warnings.warn(f"{n} x {T} = {n * T} calibration tokens, fewer than {full_rank} (twice the largest "
+                          "in_features): some Hessians are rank-deficient, held up by dampening only, and GPTQ "
+                          "may gain little over RTN there; more --samples help", stacklevel=2)
         bs = min(batch_size, n)
         cos, sin, mask = rope_mask(bs, T)
         emb = jnp.asarray(top["embed_tokens"], jnp.float32)

@@ -1,7 +1,7 @@
-"""GPTQ in JAX: the quantizer grid, the solver, RTN, and the `amdllm quantize` command.
+"""GPTQ in JAX: the quantizer grid, the solver and RTN (the command is `amdllm.cli.quantize`).
 
-The solver follows the reference implementation (IST-DASLab `gptq.py::fasterquant`, see
-lesson 04 walks through it) line for line, with weights in the reference's [out N, in K] orientation:
+The solver follows the reference implementation (IST-DASLab `gptq.py::fasterquant`; lesson 04
+walks through it) line for line, with weights in the reference's [out N, in K] orientation:
 dead columns, relative dampening (raised by 0.01 with a warning while Cholesky fails), the upper
 Cholesky factor of H^-1, blocks of 128 columns with a rank-1 update inside the block and one GEMM
 ("lazy batch update") per block, groups, act-order (`desc_act`) with `g_idx`, static groups.
@@ -118,7 +118,7 @@ class QuantResult:
 
 
 # --------------------------------------------------------------------------------------------------
-# The grid (anchors 1.4): unsigned codes 0..maxq in both modes, zero = 2^(b-1) when symmetric
+# The grid (GPTQ's quantizer): unsigned codes 0..maxq in both modes, zero = 2^(b-1) when symmetric
 # --------------------------------------------------------------------------------------------------
 def find_params(x, maxq: int, sym: bool, scale_dtype=jnp.float16):
     """x [N, n] -> per-row (scale [N], zero [N]) float32 over the row's range (which always holds 0)."""

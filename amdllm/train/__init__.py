@@ -1,4 +1,4 @@
-"""LoRA fine-tuning: data (JSONL rows -> packed token rows), the compiled step, the loop, the report.
+"""Training: data (JSONL rows -> packed token rows), the compiled step (LoRA, or every weight), the loop, the report.
 
     from amdllm import train
     train.finetune(model, train.data.load_dataset(path, tokenizer, 256), "runs/lora", train.TrainConfig())
