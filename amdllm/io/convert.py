@@ -98,6 +98,7 @@ def convert(src, out, *, dtype: str | None = None, allow_pickle: bool = False, d
         base = TensorSource(delta_base, allow_pickle=allow_pickle)
         validate(base, base_cfg)
         check_delta(source, base, names)
+    tokenizer = load_tokenizer(src)  # before the weights: a broken tokenizer fails in a second, not after them
     out_dt = DTYPES[dtype] if dtype else (np.dtype(np.float16) if base is not None else source.dtype(names[0]))
 
     def entry(n):
@@ -121,7 +122,7 @@ def convert(src, out, *, dtype: str | None = None, allow_pickle: bool = False, d
         for n in TOKENIZER_FILES:  # generation config, chat template, the original tokenizer files
             if (src / n).is_file():
                 shutil.copyfile(src / n, staging / n)
-        load_tokenizer(src).save_pretrained(str(staging))  # tokenizer.json, converted if need be
+        tokenizer.save_pretrained(str(staging))  # tokenizer.json, converted if need be
         _replace_dir(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
