@@ -239,6 +239,11 @@ def test_cli_finetune_writes_peft_adapter_metrics_and_merged_checkpoint(tmp_path
     capsys.readouterr()
     assert json.loads((tmp_path / "bf16" / "merged" / "config.json").read_text())["dtype"] == "bfloat16"
     assert {str(v.dtype) for v in load_file(str(tmp_path / "bf16" / "adapter_model.safetensors")).values()} == {"float32"}
+    # 8 devices, no --mesh: all on fsdp, so a batch of 4 cannot split; one line naming the flags, nothing written
+    assert cli.main(["finetune", "--model", str(ckpt), "--data", str(tmp_path / "d.jsonl"), "--out",
+                     str(tmp_path / "o3"), "--batch-size", "4", "--no-progress"]) == 2
+    assert "--batch-size 4 does not split over the mesh's 8 batch shards" in capsys.readouterr().err
+    assert not (tmp_path / "o3").exists()
     assert cli.main(["finetune", "--model", str(ckpt), "--data", str(tmp_path / "d.jsonl"), "--out",
                      str(tmp_path / "o2"), "--targets", "q,zz", "--no-progress"]) == 2
     assert "unknown LoRA target module 'zz'" in capsys.readouterr().err

@@ -297,10 +297,15 @@ def activation_sharding(mesh: Mesh, rules=None) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(("batch", "length", "act_embed"), rules, mesh=mesh))
 
 
+def batch_ways(mesh: Mesh, rules=None) -> int:
+    """Into how many shards the rules split a batch on this mesh (every batch size must divide by it)."""
+    return math.prod(mesh.shape[a] for a in get_rules(rules)["batch"])
+
+
 def shard_batch(x, mesh: Mesh, rules=None):
     """Place a host batch [B, ...] on the mesh; B must divide by the batch axes' size (clear error)."""
     sh = batch_sharding(mesh, rules, np.ndim(x))
-    ways = math.prod(mesh.shape[a] for a in get_rules(rules)["batch"])
+    ways = batch_ways(mesh, rules)
     if np.shape(x)[0] % ways:
         raise ShardingError(f"batch size {np.shape(x)[0]} is not divisible by the {ways} batch shards "
                             f"({'x'.join(get_rules(rules)['batch'])}); use a multiple of {ways}")

@@ -25,7 +25,7 @@ from amdllm.files import atomic_write_bytes, atomic_write_text
 from amdllm.io.peft import save_adapter
 from amdllm.model import Llama
 import amdllm.model.lora as lora_mod
-from amdllm.parallel.sharding import shard_model
+from amdllm.parallel.sharding import batch_ways, shard_model
 import amdllm.train.data as data_mod
 from amdllm.train.report import task_accuracy
 from amdllm.train.step import (TrainConfig, TrainingError, evaluate_loss, flops_per_token, make_eval_step,
@@ -101,6 +101,10 @@ def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig 
     OUT/checkpoints/. Returns a summary dict (losses, evals, throughput, paths).
     """
     out = Path(out_dir)
+    if mesh is not None and tc.batch_size % batch_ways(mesh, rules):
+        raise TrainingError(f"--batch-size {tc.batch_size} does not split over the mesh's "
+                            f"{batch_ways(mesh, rules)} batch shards ({dict(mesh.shape)}): pass a multiple of "
+                            f"{batch_ways(mesh, rules)}, or a --mesh with fewer data/fsdp devices")
     out.mkdir(parents=True, exist_ok=True)
     if mesh is not None:
         shard_model(model, mesh, rules)
