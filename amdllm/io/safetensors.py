@@ -200,8 +200,7 @@ class TorchShard:
 
     def get(self, name: str) -> np.ndarray:
         sd = self._open()
-        if name not in sd:
-            raise CheckpointError(f"{self.path}: tensor {name!r} is listed in {PICKLE_INDEX} but not in this file")
+        self._info(name)  # the index may list a tensor the file lacks: one error, in one place
         return _torch_np(sd[name])
 
     def release(self, name: str, rows=None) -> None:
