@@ -6,9 +6,10 @@ parameters, vocabulary 128256, tied embeddings, Llama 3 RoPE scaling), with the 
 use only the first rows of the vocabulary; tokenization is not what is measured). Then:
 
   eval bf16 / fp32    `amdllm eval --dtype D`        vs transformers, the same protocol (docs/cli.md)
-  generate            `amdllm generate`, 64 tokens   vs transformers' greedy `generate`, bf16
+  generate f32 / bf16 `amdllm generate --dtype D`, 64 tokens   vs transformers' greedy `generate`, bf16
   quantize            `amdllm quantize` 4-bit g128, 16 x 256 calibration   vs GPTQModel (when installed)
-  finetune            `amdllm finetune`, 4 steps, batch 1 x 256, r8       vs peft + torch AdamW, float32
+  finetune            `amdllm finetune`, 4 steps, batch 1 x 256, r8, at its default (the checkpoint's bf16) and
+                      in float32     vs peft + torch AdamW in the same dtype
   serve               `amdllm serve` start + one chat request             (no peer)
   convert             `amdllm convert` to float16    vs transformers from_pretrained + save_pretrained
   convert 8B          `amdllm convert` of a Llama-3.1-8B-shaped bf16 checkpoint (16 GB, written here)
@@ -159,11 +160,11 @@ def peer_generate(model: str) -> dict:
     return {"tokens_per_second": 64 / (time.perf_counter() - t0), "new_tokens": int(out.shape[1] - ids.shape[1])}
 
 
-def peer_finetune(model: str, data: str) -> dict:
+def peer_finetune(model: str, data: str, dtype: str = "float32") -> dict:
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    m = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype))
     m = get_peft_model(m, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
                                                                          "gate_proj", "up_proj", "down_proj"]))
     tok = AutoTokenizer.from_pretrained(model)
@@ -279,12 +280,16 @@ def main(argv=None) -> int:
                 f"nll {o.get('nll', float('nan')):.5f} vs {t.get('nll', float('nan')):.5f}",
                 ours_bytes=nbytes * (2 if dt == "float32" else 1))
     if "generate" in only:
-        ours = measured(amdllm("generate", "--model", str(ck), "--prompt", PROMPT, "--max-new-tokens", "64",
-                               "--dtype", "bfloat16", "--json"))
-        peer = measured(me + ["generate", str(ck)])
-        o, t = last_json(ours["stdout"]), last_json(peer["stdout"])
-        row("generate 64 tokens bf16", ours, peer, "transformers",
-            f"{o.get('tokens_per_second', 0):.2f} vs {t.get('tokens_per_second', 0):.2f} tok/s")
+        peer = measured(me + ["generate", str(ck)])  # transformers in bf16, its faster dtype here
+        t = last_json(peer["stdout"])
+        for dt in ("float32", "bfloat16"):  # float32: amdllm's default
+            ours = measured(amdllm("generate", "--model", str(ck), "--prompt", PROMPT, "--max-new-tokens", "64",
+                                   "--dtype", dt, "--json"))
+            o = last_json(ours["stdout"])
+            o = o[0] if isinstance(o, list) and o else o
+            row(f"generate 64 tokens {dt} (transformers bf16)", ours, peer, "transformers",
+                f"{o.get('tokens_per_second', 0):.2f} vs {t.get('tokens_per_second', 0):.2f} tok/s",
+                ours_bytes=nbytes * (2 if dt == "float32" else 1))
     if "quantize" in only:
         q = work / "gptq4"
         shutil.rmtree(q, ignore_errors=True)
@@ -301,18 +306,26 @@ def main(argv=None) -> int:
             code = ("import sys; sys.path.insert(0, %r); import bench_gptq; bench_gptq.gptqmodel_side(%r, %r, %r, 128, False)"
                     % (str(Path(__file__).resolve().parent), str(ck), str(win), str(work / "gptq4-gm")))
             peer = measured([a.gptqmodel_python, "-c", code], env={"GPTQMODEL_CPU_WORKERS": str(os.cpu_count())})
+        o = last_json(ours["stdout"])
+        on_disk = sum(f.stat().st_size for f in q.glob("*.safetensors"))
         row("quantize 4-bit g128, 16x256", ours, peer, "GPTQModel" if peer else "GPTQModel not installed",
-            "bf16 checkpoint; GPTQModel loads it as float32 like the course bench")
+            f"bf16 checkpoint; GPTQModel loads it as float32 like the course bench; model_bytes "
+            f"{o.get('model_bytes')} vs {on_disk} on disk")
     if "finetune" in only:
         f = work / "lora"
         shutil.rmtree(f, ignore_errors=True)
-        ours = measured(amdllm("finetune", "--model", str(ck), "--data", str(data), "--out", str(f), "--steps", "4",
-                               "--batch-size", "1", "--seq-len", "256", "--rank", "8", "--no-progress", "--json"))
-        peer = measured(me + ["finetune", str(ck), str(data)])
-        o, t = last_json(ours["stdout"]), last_json(peer["stdout"])
-        row("finetune 4 steps, 1x256, r8, float32", ours, peer, "peft",
-            f"{o.get('tokens_per_second', 0):.0f} tok/s vs peft's median step "
-            f"{sorted(t.get('step_seconds', [0]))[len(t.get('step_seconds', [0])) // 2]:.1f} s")
+        for dt in ("auto", "float32"):  # auto: the checkpoint's bfloat16 (the default)
+            shutil.rmtree(f, ignore_errors=True)
+            ours = measured(amdllm("finetune", "--model", str(ck), "--data", str(data), "--out", str(f), "--steps",
+                                   "4", "--batch-size", "1", "--seq-len", "256", "--rank", "8", "--dtype", dt,
+                                   "--no-progress", "--json"))
+            peer_dt = "bfloat16" if dt == "auto" else dt
+            peer = measured(me + ["finetune", str(ck), str(data), peer_dt])
+            o, t = last_json(ours["stdout"]), last_json(peer["stdout"])
+            st = sorted(t.get("step_seconds", [0]))
+            row(f"finetune 4 steps, 1x256, r8, --dtype {dt} (peft {peer_dt})", ours, peer, "peft",
+                f"{o.get('tokens_per_second', 0):.2f} tok/s vs peft's median step {st[len(st) // 2]:.2f} s "
+                f"({256 / max(st[len(st) // 2], 1e-9):.2f} tok/s)")
     if "serve" in only:
         ours = measured([sys.executable, str(Path(__file__).resolve()), "--serve-once", str(ck)])
         row("serve: start + one chat request, bf16", ours, None, "none", last_json(ours["stdout"]) and

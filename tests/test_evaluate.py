@@ -89,3 +89,25 @@ def test_sharded_model_evaluates_and_generates_the_same(models):
     want = perplexity(ours, ids, seq_len=64, batch_size=4, progress=False)
     assert got["tokens"] == want["tokens"] and abs(got["perplexity"] / want["perplexity"] - 1) < 1e-5
     assert generate_ids(sharded, PROMPTS, 8, eos_ids=()) == generate_ids(ours, PROMPTS, 8, eos_ids=())
+
+
+@pytest.mark.parametrize("n_windows, batch_size, want", [(5, 8, [5]), (13, 8, [7, 7]), (16, 8, [8, 8]), (3, 1, [1, 1, 1])])
+def test_batches_are_equal_and_never_padded_beyond_the_windows(models, monkeypatch, n_windows, batch_size, want):
+    """5 windows at batch 8 run as one batch of 5, not 8 (3 rows of padding were 40% of a 1B eval);
+    13 as 7 + 7 (one padding row), not 8 + 8 (three)."""
+    from amdllm.infer import evaluate
+    _, ours = models
+    seen = []
+    real = evaluate._nll_fn
+
+    def spy(model):
+        fn = real(model)
+
+        def wrapped(top, layers, tokens, seg):
+            seen.append(tokens.shape[0])
+            return fn(top, layers, tokens, seg)
+        return wrapped
+    monkeypatch.setattr(evaluate, "_nll_fn", spy)
+    ids = np.random.default_rng(0).integers(3, 128, 16 * n_windows).tolist()
+    r = perplexity(ours, ids, seq_len=16, batch_size=batch_size, progress=False)
+    assert seen == want and r["tokens"] == 15 * n_windows

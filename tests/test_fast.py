@@ -2,6 +2,8 @@
 logits, LoRA gradients (blocked attention's and SwiGLU's hand-written backward passes, fused projections),
 LoRA dropout, GPTQ-packed weights, and per-layer decoding with a KV cache. The tolerance is float32
 rounding noise for the model's size (amdllm.model.logit_tolerance)."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -98,3 +100,87 @@ def test_per_layer_decoding_equals_textbook_cache():
     tol = logit_tolerance(CFG, np.abs(out["textbook"][0]).max())
     for a, b in zip(out["textbook"], out["fast"]):
         assert np.abs(a - b).max() <= tol
+
+
+# --------------------------------------------------------------------------------------------------
+# Narrow (bfloat16) weights on a CPU: carried as bits, widened one layer / one head block at a time
+# --------------------------------------------------------------------------------------------------
+BIG = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=512, num_hidden_layers=8,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  tie_word_embeddings=True)
+
+
+def bf16_model(cfg=BIG):
+    return Llama(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)
+
+
+def test_bits_share_memory_and_read_back_exactly():
+    m = bf16_model()
+    top, layers = to_pure(m)
+    btop, blayers = fast.inference_weights(top, layers)
+    b = blayers["gate_proj"]
+    assert isinstance(b, fast.Bits) and b.bits.dtype == jnp.uint16
+    assert b.bits.unsafe_buffer_pointer() == layers["gate_proj"].unsafe_buffer_pointer()  # no copy
+    assert not isinstance(btop["norm"], fast.Bits)  # norms stay arrays
+    np.testing.assert_array_equal(np.asarray(b.value()), np.asarray(layers["gate_proj"]))
+    assert fast.layer_views(blayers) is None  # decoding scans the bits (one layer widened at a time)
+
+
+def test_evaluation_of_narrow_weights_widens_one_layer_at_a_time():
+    """XLA:CPU widens bfloat16 operands to float32 and hoists that out of the layer scan: the whole stack
+    in float32 as scratch. With the weights as bits the scratch stays below one float32 copy of the
+    stack, and the NLL is what the full-logits computation gives."""
+    from amdllm.infer import evaluate
+    m = bf16_model()
+    top, layers = to_pure(m)
+    fn = evaluate._nll_fn(m)
+    toks = tokens(2, 64) % BIG.vocab_size
+    seg = jnp.ones_like(toks)
+    stack_f32 = sum(a.size * 4 for a in jax.tree.leaves(layers))
+    plain = fn.lower(top, layers, toks, seg).compile().memory_analysis().temp_size_in_bytes
+    btop, blayers = fast.inference_weights(top, layers)
+    bits = fn.lower(btop, blayers, toks, seg).compile().memory_analysis().temp_size_in_bytes
+    assert plain > stack_f32 > 2 * bits, (plain, stack_f32, bits)  # the first: what this fixes
+    np.testing.assert_allclose(np.asarray(fn(btop, blayers, toks, seg)), np.asarray(fn(top, layers, toks, seg)),
+                               rtol=1e-5)
+    logits = fast.forward(BIG, top, layers, toks, run=Run(jnp.bfloat16))[0]
+    want = float(jnp.sum(llama_token_nll(logits[:, :-1], toks[:, 1:])))
+    assert abs(float(fn(btop, blayers, toks, seg)[0]) - want) <= 1e-4 * abs(want)
+
+
+def llama_token_nll(logits, targets):
+    from amdllm.model import token_nll
+    return token_nll(logits, targets)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_blocked_head_and_nll_equal_the_whole_head(monkeypatch, tied):
+    """By vocabulary blocks, with a remainder block (1000 = 3 x 333 + 1), tied or not, narrow or not."""
+    monkeypatch.setattr(fast, "HEAD_BLOCK", 300)
+    cfg = dataclasses.replace(BIG, tie_word_embeddings=tied)
+    for dtype in (jnp.bfloat16, jnp.float32):
+        m = Llama(cfg, rngs=nnx.Rngs(1), param_dtype=dtype, dtype=jnp.float32)
+        top, _ = to_pure(m)
+        btop, _ = fast.inference_weights(top, {})
+        h = jax.random.normal(jax.random.key(2), (3, 5, cfg.hidden_size))
+        t = jax.random.randint(jax.random.key(3), (3, 5), 0, cfg.vocab_size)
+        want = llama.head(top, h, jnp.float32)
+        np.testing.assert_allclose(np.asarray(jax.jit(fast.head_blocked, static_argnums=2)(btop, h, jnp.float32)), np.asarray(want),
+                                   rtol=1e-5, atol=1e-5)
+        nll = jax.jit(fast.token_nll_blocked, static_argnums=3)(btop, h, t, jnp.float32)
+        np.testing.assert_allclose(np.asarray(nll), np.asarray(llama_token_nll(want, t)), rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_decoding_of_narrow_weights_equals_the_plain_path():
+    """`generate` on bf16 weights (bits, scanned decode step) gives the ids of a plain argmax loop over the
+    textbook forward in bfloat16 (no cache), and the same logits to bf16 rounding."""
+    from amdllm.infer.generate import generate_ids
+    m = bf16_model(dataclasses.replace(BIG, num_hidden_layers=2))
+    prompt = [5, 17, 42, 7]
+    got = generate_ids(m, [prompt], 6, eos_ids=())[0]
+    ids = list(prompt)
+    top, layers = to_pure(m)
+    for _ in range(6):
+        logits = llama.forward(m.cfg, top, layers, jnp.asarray([ids]), run=Run(jnp.bfloat16))[0]
+        ids.append(int(jnp.argmax(logits[0, -1])))
+    assert got == ids[len(prompt):]

@@ -294,3 +294,40 @@ def test_calibration_tokenizer_matches_transformers():
     want = np.asarray(load_tokenizer(d / "tokenizer")(text)["input_ids"])
     got = _tokenize(d / "tokenizer", text)
     assert got.shape == want.shape and (got == want).all()
+
+
+def test_a_bfloat16_model_quantizes_as_its_float32_widening_and_keeps_bf16(tmp_path):
+    """A bf16 model is held as bf16 (its layers go to the solver as bits, widened one layer at a time): the
+    packed result is exactly the one of the same weights held in float32, and the checkpoint keeps the
+    unquantized tensors in bf16 (float16 would turn values beyond its range into inf)."""
+    from flax import nnx
+    from safetensors.numpy import load_file
+    from amdllm import model as M
+    from amdllm.config import LlamaConfig
+    from amdllm.io.gptq_format import quant_config_dict, save_quantized
+    from amdllm.quant import calibrate as C
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    windows = np.random.default_rng(0).integers(1, 64, size=(10, 16))  # row 0 (set to 1e5 below) unused
+    spec = QuantSpec(bits=4, group_size=32)
+    out = {}
+    for dt in (jnp.bfloat16, jnp.float32):
+        m = M.Llama(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16)
+        if dt == jnp.float32:  # the same bf16 values, widened
+            m = nnx.merge(*(lambda g, s: (g, jax.tree.map(lambda a: a.astype(jnp.float32), s)))(*nnx.split(m)))
+        else:
+            m.embed_tokens.value = m.embed_tokens.value.at[0, 0].set(1e5)  # beyond float16's 65504
+        C.quantize_model(m, windows, spec, progress=False, report=False)
+        out[dt] = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(m.layers)))
+        if dt == jnp.bfloat16:
+            save_quantized(m, tmp_path / "q", quant_config_dict(4, 32, True, False))
+            raw = (tmp_path / "q" / "model.safetensors").read_bytes()  # 8-byte header length, JSON header, data
+            assert C.model_bytes(m) == len(raw) - 8 - int.from_bytes(raw[:8], "little")  # what quantize reports
+    for proj in M.PROJECTIONS:
+        for k in ("qweight", "qzeros", "scales", "g_idx"):
+            np.testing.assert_array_equal(out[jnp.bfloat16][proj][k], out[jnp.float32][proj][k], err_msg=proj + k)
+    t = load_file(tmp_path / "q" / "model.safetensors")
+    assert t["model.embed_tokens.weight"].dtype.name == "bfloat16" and float(t["model.embed_tokens.weight"][0, 0]) > 65504  # finite, beyond f16
+    assert t["model.layers.0.self_attn.q_proj.scales"].dtype == np.float16
+    import json
+    assert json.loads((tmp_path / "q" / "config.json").read_text())["torch_dtype"] == "bfloat16"

@@ -6,8 +6,9 @@ from pathlib import Path
 
 from amdllm.cli.common import add_model_args, emit, model_dir
 from amdllm.course import heldout_text_path
-from amdllm.infer.evaluate import evaluate_text
-from amdllm.infer.generate import load_model
+from amdllm.infer.evaluate import perplexity
+from amdllm.infer.generate import load_weights
+from amdllm.io.tokenizer import encode_fast
 
 
 def add_cli(sub) -> None:
@@ -32,8 +33,12 @@ def run(args) -> int:
     if not text_path.is_file():
         raise FileNotFoundError(f"--text {text_path}: no such file")
     text = text_path.read_text(encoding="utf-8")
-    model, tokenizer, _ = load_model(model_dir(args.model), args.adapter, args.dtype, args.allow_pickle)
-    r = evaluate_text(model, tokenizer, text, seq_len=args.seq_len, batch_size=args.batch_size)
+    path = model_dir(args.model)
+    # tokenized first (a broken tokenizer fails before the weights load), by `tokenizers` itself where the
+    # checkpoint has a tokenizer.json: the same ids as transformers, without its import (and torch's)
+    ids = encode_fast(path, text)
+    model = load_weights(path, args.adapter, args.dtype, args.allow_pickle)
+    r = perplexity(model, ids, seq_len=args.seq_len, batch_size=args.batch_size)
     r["text"] = str(text_path)
     emit(r, args.json, f"perplexity {r['perplexity']:.4f}  (nll {r['nll']:.4f} over {r['tokens']} "
                        f"tokens of {what}, seq_len {args.seq_len})")

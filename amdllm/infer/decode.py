@@ -10,8 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from amdllm.model import Run
-from amdllm.model.fast import forward
-from amdllm.model.layers import head
+from amdllm.model.fast import forward, head_blocked
 
 
 def inference_run(model) -> Run:
@@ -25,7 +24,7 @@ def last_logits(cfg, run: Run, top, layers, tokens, positions, segment_ids, cach
     (float32 logits at the last position [B, V], the cache)."""
     h, cache = forward(cfg, top, layers, tokens, positions=positions, segment_ids=segment_ids, cache=cache,
                        cache_index=cache_index, run=run, return_hidden=True)           # [B, T, D] normed
-    return head(top, h[:, -1], run.dtype), cache
+    return head_blocked(top, h[:, -1], run.dtype), cache
 
 
 def step_logits(cfg, run: Run, top, layers, tok, pos, active, cache, cache_index):

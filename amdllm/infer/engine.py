@@ -35,7 +35,7 @@ import numpy as np
 from amdllm.infer.decode import inference_run, last_logits, sample_token, step_logits
 from amdllm.model import KVCache, to_pure
 from amdllm.cpu import cpu_compiler_options
-from amdllm.model.fast import init_cache, layer_views
+from amdllm.model.fast import inference_weights, init_cache, layer_views
 from amdllm.io.tokenizer import pad_id as tokenizer_pad_id
 
 log = logging.getLogger("amdllm.infer.engine")
@@ -134,7 +134,7 @@ class Engine:
             eos_ids = set(cfg.eos_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         self.eos = frozenset(int(e) for e in eos_ids)
         self.pad = int(pad_id) if pad_id is not None else tokenizer_pad_id(tokenizer)
-        self.top, self.layers = to_pure(model)
+        self.top, self.layers = inference_weights(*to_pure(model))  # narrow weights as bits on a CPU
         # the decode step reads per-layer weight views on the CPU (no copies out of the stack; see
         # amdllm.model.fast) and then keeps a per-layer cache; the prefill scans the stacked weights
         self.views = layer_views(self.layers)

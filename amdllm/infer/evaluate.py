@@ -7,9 +7,10 @@
   3. each window predicts its own tokens 1..n-1 from the ones before (no context crosses a window);
   4. nll = mean over all predicted tokens, tokens = their count, perplexity = exp(nll).
 
-Windows are evaluated `batch_size` at a time by one jitted function; the short last window is padded on
-the right with segment id 0 and weight 0, and a short last batch with all-padding rows, so every batch
-has the same shape and compiles once.
+Windows are evaluated at most `batch_size` at a time by one jitted function, in batches of equal size
+(13 windows at batch_size 8 go as 7 + 6, not 8 + 5, so at most one padding row per batch and none when
+the windows fit in one batch); the short last window is padded on the right with segment id 0 and weight
+0, a short last batch with an all-padding row, so every batch has the same shape and compiles once.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from tqdm.auto import tqdm
 
 from amdllm.infer.decode import inference_run
 from amdllm.model import forward, to_pure
+from amdllm.model.fast import inference_weights, token_nll_blocked
 
 _COMPILED: dict = {}
 
@@ -47,9 +49,8 @@ def _nll_fn(model):
 
         @jax.jit
         def nll_sum(top, layers, tokens, segment_ids):
-            logits, _ = forward(cfg, top, layers, tokens, segment_ids=segment_ids, run=run)  # [B, T, V] float32
-            logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
-            nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]  # [B, T-1]
+            h, _ = forward(cfg, top, layers, tokens, segment_ids=segment_ids, run=run, return_hidden=True)
+            nll = token_nll_blocked(top, h[:, :-1], tokens[:, 1:], run.dtype)  # [B, T-1], no [B, T, V] logits
             w = (segment_ids[:, 1:] != 0).astype(jnp.float32)  # a target is real iff its slot is
             return jnp.sum(nll * w), jnp.sum(w)
 
@@ -65,8 +66,10 @@ def perplexity(model, token_ids: Sequence[int], seq_len: int = 256, batch_size: 
         raise ValueError(f"need at least 2 tokens to measure perplexity, got {len(token_ids)}")
     T = min(seq_len, max(len(w) for w in wins))  # a text shorter than seq_len needs no longer batch
     fn = _nll_fn(model)
-    top, layers = to_pure(model)
+    top, layers = inference_weights(*to_pure(model))  # narrow weights as bits on a CPU: see model.fast
     total, count = 0.0, 0.0
+    n_batches = -(-len(wins) // batch_size)
+    batch_size = -(-len(wins) // n_batches)  # equal batches: padding rows only where the split is uneven
     starts = range(0, len(wins), batch_size)
     for s in tqdm(starts, desc="perplexity", unit="batch", disable=not progress or len(starts) < 2):
         tokens = np.zeros((batch_size, T), np.int32)

@@ -32,7 +32,7 @@ from amdllm.io.tokenizer import load_tokenizer, pad_id
 from amdllm.infer.decode import inference_run, last_logits, sample_token, step_logits
 from amdllm.model import KVCache, to_pure
 from amdllm.cpu import cpu_compiler_options
-from amdllm.model.fast import init_cache, layer_views, split_cache
+from amdllm.model.fast import inference_weights, init_cache, layer_views, split_cache
 
 PROMPT_BUCKET = 16
 CACHE_BUCKET = 64
@@ -123,7 +123,7 @@ class Decoder:
         self.times, self.counts = [time.perf_counter()], []
         if max_new_tokens < 1:
             return
-        top, layers = to_pure(self.model)
+        top, layers = inference_weights(*to_pure(self.model))  # narrow weights as bits on a CPU (model.fast)
         views = layer_views(layers) if self.per_layer else None
         tokens, positions, seg, lens = pack_prompts(prompt_ids, self.pad_id)
         limit = self.model.cfg.max_position_embeddings
@@ -235,7 +235,12 @@ def load_model(model_dir, adapter=None, dtype: str = "float32", allow_pickle: bo
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     tokenizer = load_tokenizer(model_dir)  # first: a broken tokenizer is found in a second, not after the weights
+    return load_weights(model_dir, adapter, dtype, allow_pickle), tokenizer, model_dir
+
+
+def load_weights(model_dir, adapter=None, dtype: str = "float32", allow_pickle: bool = False):
+    """The model of `load_model` without its tokenizer (for callers that tokenize with `encode_fast`)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     model = checkpoint.load(model_dir, dtype=DTYPES[dtype], allow_pickle=allow_pickle)
-    if adapter is not None:
-        model = load_adapter(model, adapter)
-    return model, tokenizer, model_dir
+    return load_adapter(model, adapter) if adapter is not None else model

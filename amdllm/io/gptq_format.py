@@ -19,6 +19,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
 from safetensors.numpy import save as st_save
@@ -99,7 +100,8 @@ def _zeros_v1_to_v2(qzeros, bits, inverse=False):
 
 
 def save_quantized(model, path, quant_config: dict, *, tokenizer_from=None) -> Path:
-    """Write `model` (projections QuantLinear) as a GPTQ checkpoint (HF names, fp16 non-quantized)."""
+    """Write `model` (projections QuantLinear) as a GPTQ checkpoint (HF names; non-quantized tensors fp16,
+    or bf16 for a bf16 model)."""
     path = Path(path)
     cfg: LlamaConfig = model.cfg
     fmt, bits = quant_config["checkpoint_format"], quant_config["bits"]
@@ -122,15 +124,19 @@ def save_quantized(model, path, quant_config: dict, *, tokenizer_from=None) -> P
             t[hf_proj(i, proj) + ".qzeros"] = _zeros_v1_to_v2(qz, bits, inverse=True) if fmt == "gptq" else qz
             t[hf_proj(i, proj) + ".scales"] = np.asarray(v["scales"][i], np.float16)
             t[hf_proj(i, proj) + ".g_idx"] = np.asarray(v["g_idx"][i], np.int32)
+    # unquantized tensors: float16, as GPTQ checkpoints store them, except a bfloat16 model's, which keep
+    # their dtype (as GPTQModel keeps the source's): bf16 values beyond float16's range would become inf
+    store = np.dtype(ml_dtypes.bfloat16) if np.asarray(t["model.embed_tokens.weight"]).dtype == ml_dtypes.bfloat16 \
+        else np.dtype(np.float16)
     # C order: astype keeps a transposed view's Fortran layout, and safetensors writes memory order
     # (jnp.issubdtype: bfloat16 is a float too, though numpy files it under kind "V")
-    t = {k: np.ascontiguousarray(np.asarray(v).astype(np.float16) if jnp.issubdtype(np.asarray(v).dtype, jnp.floating)
+    t = {k: np.ascontiguousarray(np.asarray(v).astype(store) if jnp.issubdtype(np.asarray(v).dtype, jnp.floating)
                                  and not k.endswith("scales") else v) for k, v in t.items()}
     path.mkdir(parents=True, exist_ok=True)
     with atomic_path(path / "model.safetensors") as tmp:
         tmp.write_bytes(st_save(t, metadata={"format": "pt"}))
     hf = cfg.to_dict()
-    hf["torch_dtype"] = hf["dtype"] = "float16"
+    hf["torch_dtype"] = hf["dtype"] = store.name
     hf["quantization_config"] = quant_config
     atomic_write_text(path / "config.json", json.dumps(hf, indent=2))
     atomic_write_text(path / "quantize_config.json", json.dumps(quant_config, indent=2))

@@ -16,6 +16,11 @@ numbers (tests/test_fast.py checks every one against the textbook), and is on wh
   * Per-layer decoding (`layer_views` + the unrolled loop in `forward`): on a CPU, a decode step reads
     each layer's weights where they lie instead of XLA copying every layer's slice out of the stack
     (most of a decode step's time); zero-copy views, so no memory is spent. CPU only.
+  * Narrow weights (bfloat16, float16) on a CPU, where XLA widens them to float32 for every op: weights
+    that are not differentiated travel as their bits (`carry_bits`, `Bits`), so one layer is widened at
+    a time, not the whole stack; inference runs the output head by vocabulary blocks (`head_blocked`,
+    `token_nll_blocked`): a 128k-row head widened whole is 1 GB, and a batch of windows' [B, T, V]
+    float32 logits as much again. CPU only.
 The XLA:CPU compiler options the jitted steps use are in `amdllm.cpu`.
 """
 from __future__ import annotations
@@ -30,7 +35,7 @@ import numpy as np
 from amdllm.config import LlamaConfig
 import amdllm.model.llama as llama
 from amdllm.model.attention import _scores
-from amdllm.model.layers import head, lora_delta, rms_norm
+from amdllm.model.layers import head as llama_head, lora_delta, rms_norm
 from amdllm.model.llama import KVCache, Kernels, LoRA, Run, block, embed, project
 
 FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
@@ -46,7 +51,9 @@ def project_group(p: dict, key: str, x, lora: LoRA, fuse: bool, joined: bool = F
     joined=True: when fused, the one [..., sum(out)] output unsplit (its consumer takes it whole)."""
     names = FUSED[key]
     rows = math.prod(x.shape[:-1])
-    if not fuse or rows < FUSE_MIN_ROWS or any(isinstance(p[n], dict) for n in names):  # GPTQ: separate
+    if (not fuse or rows < FUSE_MIN_ROWS or any(isinstance(p[n], dict) for n in names)  # GPTQ: separate
+            or any(jnp.dtype(p[n].dtype).itemsize < 4 for n in names)):  # XLA:CPU widens narrow kernels
+        # (a copy each already): a concat would be one more
         return [project(p, n, x, lora) for n in names]
     sizes = [p[n].shape[-1] for n in names]
     x2 = x.reshape(-1, x.shape[-1])
@@ -181,6 +188,161 @@ _blocked.defvjp(_blocked_fwd, _blocked_bwd)
 
 
 # --------------------------------------------------------------------------------------------------
+# Narrow weights on a CPU: widened one layer / one vocabulary block at a time
+# --------------------------------------------------------------------------------------------------
+HEAD_BLOCK = 8192  # vocabulary rows per head block: [rows, 8192] float32 logits; 64 MB of float32 weights (D 2048)
+
+
+@jax.tree_util.register_pytree_node_class
+class Bits:
+    """A bfloat16/float16 array carried as its raw bits (uint16), so XLA:CPU does not widen it whole.
+
+    XLA:CPU computes nothing in bfloat16: it widens every narrow operand to float32, slicing included, so
+    the layer scan's slice of the stacked weights becomes a slice of a float32 copy of the whole stack,
+    which it then hoists out of the loop (a 2.47 GB bf16 1B model evaluated at 7.5 GB). Integers are
+    sliced as they are: the scan slices the bits, and `fence` turns one layer's slice back into floats.
+    Bits have no gradient: only weights that are not differentiated (a frozen base, inference) use them."""
+
+    def __init__(self, bits, dtype):
+        self.bits, self.dtype = bits, jnp.dtype(dtype)
+
+    def tree_flatten(self):
+        return (self.bits,), self.dtype
+
+    @classmethod
+    def tree_unflatten(cls, dtype, children):
+        return cls(children[0], dtype)
+
+    @property
+    def shape(self):
+        return self.bits.shape
+
+    def value(self):
+        return jax.lax.bitcast_convert_type(self.bits, self.dtype)
+
+
+def _is_bits(a) -> bool:
+    return isinstance(a, Bits)
+
+
+def _narrow(a) -> bool:
+    return _is_bits(a) or (jnp.issubdtype(a.dtype, jnp.floating) and jnp.dtype(a.dtype).itemsize == 2)
+
+
+def _bits_view(a):
+    """A narrow CPU array's bits as a uint16 jax array sharing its buffer, or None where that cannot be
+    had without a copy (then the float array is used as it is)."""
+    if not isinstance(a, jax.Array) or len(a.sharding.device_set) != 1:
+        return None
+    host = np.asarray(a).view(np.uint16)  # zero-copy on the CPU
+    v = jax.device_put(host, next(iter(a.sharding.device_set)), may_alias=True)
+    return Bits(v, a.dtype) if v.unsafe_buffer_pointer() == host.ctypes.data else None
+
+
+def carry_bits(tree):
+    """`tree` with its bfloat16/float16 arrays as `Bits` sharing their memory, on the CPU back end
+    (elsewhere, or where a view would copy, unchanged). Call it outside jit, on weights that are never
+    differentiated (a gradient through Bits is zero)."""
+    if jax.default_backend() != "cpu":
+        return tree
+
+    def conv(a):
+        if _is_bits(a) or not _narrow(a):
+            return a
+        b = _bits_view(a)
+        return a if b is None else b
+    return jax.tree.map(conv, tree, is_leaf=_is_bits)
+
+
+def inference_weights(top: dict, layers):
+    """(top, layers) for forward passes that do not differentiate them (inference, a frozen base), with
+    the stacked layers and the embedding / head tables as `Bits` where narrow on a CPU (the final norm
+    stays an array). Outside jit."""
+    table = {k: carry_bits(v) for k, v in top.items() if k in ("embed_tokens", "lm_head")}
+    return {**top, **table}, carry_bits(layers)
+
+
+def fence(p):
+    """A layer's parameters with any `Bits` turned back into floats (`Kernels.weights` of the fast kernels)."""
+    return jax.tree.map(lambda a: a.value() if _is_bits(a) else a, p, is_leaf=_is_bits)
+
+
+RECOMPUTED = ("convert_element_type", "bitcast_convert_type", "transpose", "dynamic_slice")
+
+
+def keep_all_but_widening(prim, *_, **__) -> bool:
+    """jax.checkpoint policy: keep every residual but those of the ops that fetch and widen a weight (a
+    slice, the bits read as floats, a transpose, a dtype conversion: all cheap), which the backward redoes.
+    Autodiff would otherwise keep each layer's (and each head block's) widened frozen weights for the
+    backward: the whole stack in float32."""
+    return prim.name not in RECOMPUTED
+
+
+def lookup(table, tokens):
+    """Embedding rows [B, T, D] (`Kernels.lookup`), gathered from the bits when the table is `Bits`."""
+    if _is_bits(table):
+        return Bits(jnp.take(table.bits, tokens, axis=0), table.dtype).value()
+    return jnp.take(table, tokens, axis=0)
+
+
+def _fold_head(top, h2, dtype, step, carry):
+    """carry = step(carry, logits [N, n] float32, start) over the head's vocabulary blocks [start, start+n);
+    h2 [N, D]. The blocks are scanned (one compiled body); a remainder runs last."""
+    tied = "lm_head" not in top
+    w = top["embed_tokens"] if tied else top["lm_head"]                                  # [V, D] or [D, V]
+    axis = 0 if tied else 1
+    V = w.shape[axis]
+    n = max(1, V // HEAD_BLOCK)
+    size = V // n
+
+    def logits(start, rows):
+        blk = fence(jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, rows, axis=axis), w))
+        blk = blk.T if tied else blk                                                     # [D, rows]
+        return jnp.dot(h2, blk.astype(dtype), preferred_element_type=jnp.float32)       # [N, rows]
+
+    logits = jax.checkpoint(logits, policy=keep_all_but_widening, static_argnums=(1,))
+    carry, _ = jax.lax.scan(lambda c, i: (step(c, logits(i * size, size), i * size), None), carry,
+                            jnp.arange(n))
+    if n * size < V:
+        carry = step(carry, logits(n * size, V - n * size), n * size)
+    return carry
+
+
+def head_blocked(top: dict, h, dtype):
+    """`layers.head` (float32 logits [..., V]) by vocabulary blocks when the head is narrow on a CPU, so
+    it is never widened whole. Differentiable in h (and in a plain narrow head; `Bits` get none)."""
+    w = top["embed_tokens"] if "lm_head" not in top else top["lm_head"]
+    if jax.default_backend() != "cpu" or not _narrow(w):
+        return llama_head(top, h, dtype)
+    lead, D = h.shape[:-1], h.shape[-1]
+    h2 = h.reshape(-1, D)
+    V = top["lm_head"].shape[1] if "lm_head" in top else top["embed_tokens"].shape[0]
+    out = _fold_head(top, h2, dtype, lambda o, lg, s: jax.lax.dynamic_update_slice_in_dim(o, lg, s, axis=1),
+                     jnp.zeros((h2.shape[0], V), jnp.float32))
+    return out.reshape(*lead, V)
+
+
+def token_nll_blocked(top: dict, h, targets, dtype):
+    """-log softmax(head(h))[target] per position in float32, never holding [..., V] logits: the head by
+    vocabulary blocks with a running logsumexp. h [..., D] (normed), targets [...] int -> [...].
+    Evaluation only (training's logits go through `token_nll`, which has the backward)."""
+    lead, D = h.shape[:-1], h.shape[-1]
+    h2, t = h.reshape(-1, D), targets.reshape(-1)
+
+    def step(c, lg, start):
+        m, s, picked = c
+        m_new = jnp.maximum(m, jnp.max(lg, axis=-1))
+        s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(lg - m_new[:, None]), axis=-1)
+        hit = (t - start)[:, None] == jnp.arange(lg.shape[-1])[None]
+        return m_new, s, picked + jnp.sum(jnp.where(hit, lg, 0.0), axis=-1)
+
+    N = h2.shape[0]
+    m, s, picked = _fold_head(top, h2, dtype, step, (jnp.full((N,), -jnp.inf, jnp.float32),
+                                                     jnp.zeros((N,), jnp.float32), jnp.zeros((N,), jnp.float32)))
+    return (m + jnp.log(s) - picked).reshape(lead)
+
+
+# --------------------------------------------------------------------------------------------------
 # The switch, and the forward the hot paths run
 # --------------------------------------------------------------------------------------------------
 def kernels(fuse: bool) -> Kernels:
@@ -190,11 +352,14 @@ def kernels(fuse: bool) -> Kernels:
         return swiglu_joined(gu) if not isinstance(gu, list) else swiglu_pair(*gu)
 
     return Kernels(qkv=lambda p, h, lora: tuple(project_group(p, "qkv", h, lora, fuse)),
-                   attend=causal_attention, mlp=mlp)
+                   attend=causal_attention, mlp=mlp, weights=fence, lookup=lookup)
 
 
-def kernels_for(run: Run) -> Kernels:
-    return kernels(fuse=run.act_sharding is None and jax.default_backend() == "cpu")
+def kernels_for(run: Run, layers=None) -> Kernels:
+    k = kernels(fuse=run.act_sharding is None and jax.default_backend() == "cpu")
+    if any(_is_bits(a) for a in jax.tree.leaves(layers, is_leaf=_is_bits)):  # a frozen narrow base
+        k = k._replace(policy=keep_all_but_widening)
+    return k
 
 
 def forward(cfg: LlamaConfig, top: dict, layers, tokens, *, run: Run = Run(), **kw):
@@ -202,27 +367,32 @@ def forward(cfg: LlamaConfig, top: dict, layers, tokens, *, run: Run = Run(), **
     per-layer dicts (`layer_views`): the layers then run as an unrolled loop, with a per-layer cache
     (tuples, `init_cache(per_layer=True)`) or a stacked one; a per-layer cache also works with stacked
     layers (a prefill scans the stacked weights and hands the decode steps a per-layer cache)."""
-    k = kernels_for(run)
+    k = kernels_for(run, layers)
     cache = kw.get("cache")
     per_layer_cache = cache is not None and isinstance(cache.k, (tuple, list))
+    want_hidden = kw.pop("return_hidden", False)
     if isinstance(layers, (list, tuple)):
-        return _unrolled(cfg, top, layers, tokens, run=run, kernels=k, **kw)
-    if per_layer_cache:
+        h, new = _unrolled(cfg, top, layers, tokens, run=run, kernels=k, **kw)
+    elif per_layer_cache:
         kw["cache"] = KVCache(jnp.stack(cache.k), jnp.stack(cache.v), cache.valid)
-        out, new = llama.forward(cfg, top, layers, tokens, run=run, kernels=k, **kw)
-        return out, split_cache(new)
-    return llama.forward(cfg, top, layers, tokens, run=run, kernels=k, **kw)
+        h, new = llama.forward(cfg, top, layers, tokens, run=run, kernels=k, return_hidden=True, **kw)
+        new = split_cache(new)
+    else:
+        h, new = llama.forward(cfg, top, layers, tokens, run=run, kernels=k, return_hidden=True, **kw)
+    return (h if want_hidden else head_blocked(top, h, run.dtype)), new
 
 
 def _unrolled(cfg, top, layer_list, tokens, *, positions=None, segment_ids=None, cache=None,
-              cache_index=None, run: Run = Run(), dropout_rng=None, return_hidden=False, kernels=None):
-    """`llama.forward` over per-layer weights, as a Python loop (compile time grows with depth: for decoding)."""
-    x, rope, mask, valid = embed(cfg, top, tokens, positions, segment_ids, cache, cache_index, run.dtype)
+              cache_index=None, run: Run = Run(), dropout_rng=None, kernels=None):
+    """`llama.forward` over per-layer weights, as a Python loop (compile time grows with depth: for
+    decoding) -> (the normed hidden states, cache)."""
+    x, rope, mask, valid = embed(cfg, top, tokens, positions, segment_ids, cache, cache_index, run.dtype,
+                                 kernels.lookup)
     ks, vs = [], []
     for i, p in enumerate(layer_list):
         rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, i)
         kv = None if cache is None else (cache.k[i], cache.v[i])
-        x, kv = block(cfg, p, x, rope, mask, kv, cache_index, kernels=kernels,
+        x, kv = block(cfg, kernels.weights(p), x, rope, mask, kv, cache_index, kernels=kernels,
                       lora=LoRA(run.lora_scale, run.lora_dropout, rng))
         if kv is not None:
             ks.append(kv[0])
@@ -232,7 +402,7 @@ def _unrolled(cfg, top, layer_list, tokens, *, positions=None, segment_ids=None,
     if cache is not None:  # a stacked cache stays stacked
         stacked = not isinstance(cache.k, (tuple, list))
         new = KVCache(jnp.stack(ks) if stacked else tuple(ks), jnp.stack(vs) if stacked else tuple(vs), valid)
-    return (x if return_hidden else head(top, x, run.dtype)), new
+    return x, new
 
 
 # --------------------------------------------------------------------------------------------------
@@ -261,6 +431,8 @@ def layer_views(layers: dict) -> list[dict] | None:
     step then scans the stacked weights."""
     if jax.default_backend() != "cpu":
         return None
+    if any(_is_bits(a) for a in jax.tree.leaves(layers, is_leaf=_is_bits)):
+        return None  # unrolled, XLA would widen every layer's bits up front; the scan widens one at a time
     leaves, treedef = jax.tree.flatten(layers)
     if not leaves or any(not isinstance(a, jax.Array) or len(a.sharding.device_set) != 1 for a in leaves):
         return None

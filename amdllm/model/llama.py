@@ -86,6 +86,9 @@ class Kernels(NamedTuple):
     qkv: Callable     # (p, h [B,T,D], lora) -> (q [B,T,H*hd], k, v [B,T,Hkv*hd])
     attend: Callable  # (q [B,T,H,hd], k, v [B,T,Hkv,hd], mask [B,T,T]) -> [B,T,H,hd]; no cache
     mlp: Callable     # (p, h [B,T,D], lora) -> silu(h W_gate) * (h W_up) [B,T,F]
+    weights: Callable = lambda p: p  # (p) -> p, applied to each layer's parameters before use
+    lookup: Callable = lambda table, tokens: jnp.take(table, tokens, axis=0)  # embedding rows [B, T, D]
+    policy: Any = None  # a jax.checkpoint policy for each layer under autodiff (None: keep what it needs)
 
 
 class LoRA(NamedTuple):
@@ -147,13 +150,14 @@ def attention_mask(segment_ids, cache: KVCache | None, cache_index):
     return (slot <= cache_index + jnp.arange(T)[None, :, None]) & valid[:, None, :], valid
 
 
-def embed(cfg: LlamaConfig, top: dict, tokens, positions, segment_ids, cache, cache_index, dtype):
+def embed(cfg: LlamaConfig, top: dict, tokens, positions, segment_ids, cache, cache_index, dtype,
+          lookup: Callable = TEXTBOOK.lookup):
     """What every layer reads: (x [B, T, D], rope (cos, sin) [B, T, hd], mask, the cache's valid slots)."""
     B, T = tokens.shape
     segment_ids = jnp.ones((B, T), jnp.int32) if segment_ids is None else segment_ids
     if positions is None:
         positions = jnp.broadcast_to((cache_index or 0) + jnp.arange(T, dtype=jnp.int32), (B, T))
-    x = jnp.take(top["embed_tokens"], tokens, axis=0).astype(dtype)                     # [B, T, D]
+    x = lookup(top["embed_tokens"], tokens).astype(dtype)                               # [B, T, D]
     return (x, rope_tables(cfg, positions), *attention_mask(segment_ids, cache, cache_index))
 
 
@@ -165,10 +169,12 @@ def forward(cfg: LlamaConfig, top: dict, layers: dict, tokens, *, positions=None
     top: embed_tokens, norm, lm_head?; layers: the stacked [L, ...] parameters. positions [B, T]: RoPE
     positions (default 0.., from cache_index with a cache); segment_ids [B, T]: equal ids attend to each
     other, 0 marks padding; cache: a KVCache written from slot cache_index."""
-    x, rope, mask, valid = embed(cfg, top, tokens, positions, segment_ids, cache, cache_index, run.dtype)
+    x, rope, mask, valid = embed(cfg, top, tokens, positions, segment_ids, cache, cache_index, run.dtype,
+                                 kernels.lookup)
 
     def layer(x, xs):  # scanned over the stacked layers
         p, kv, i = xs
+        p = kernels.weights(p)
         rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, i)
         x, kv = block(cfg, p, constrain(x, run.act_sharding), rope, mask, kv, cache_index,
                       lora=LoRA(run.lora_scale, run.lora_dropout, rng), kernels=kernels)
@@ -176,6 +182,8 @@ def forward(cfg: LlamaConfig, top: dict, layers: dict, tokens, *, positions=None
 
     if run.remat:  # keep each layer's input only; recompute the rest in the backward pass
         layer = jax.checkpoint(layer, prevent_cse=False)
+    elif kernels.policy is not None:
+        layer = jax.checkpoint(layer, policy=kernels.policy, prevent_cse=False)
     kvs = None if cache is None else (cache.k, cache.v)
     x, kvs = jax.lax.scan(layer, x, (layers, kvs, jnp.arange(cfg.num_hidden_layers)))
     x = rms_norm(x, top["norm"], cfg.rms_norm_eps)                                      # [B, T, D]

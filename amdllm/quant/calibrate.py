@@ -129,8 +129,10 @@ def _calibration_fns(cfg_json: str):
     def layer_params(layers, li):
         """Layer li of the stacked params, float32, and its kernels transposed to the reference's
         [out, in]: one compile, not an eager slice or transpose compiled per shape."""
-        p = {k: jax.lax.dynamic_index_in_dim(v, li, keepdims=False).astype(jnp.float32)
-             for k, v in layers.items()}
+        # narrow weights come as `fast.Bits`: one layer is sliced from the bits and widened (XLA:CPU would
+        # widen the whole stack to slice it)
+        p = {k: fast.fence(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, li, keepdims=False), v))
+             .astype(jnp.float32) for k, v in layers.items()}
         return p, {k: p[k].T for k in M.PROJECTIONS}
 
     @jax.jit
@@ -230,18 +232,19 @@ def quantize_model(model, windows, spec, *, method: str = "gptq", batch_size: in
                           "may gain little over RTN there; more --samples help", stacklevel=2)
         bs = min(batch_size, n)
         cos, sin, mask = rope_mask(bs, T)
-        emb = jnp.asarray(top["embed_tokens"], jnp.float32)
+        emb = np.asarray(top["embed_tokens"])  # rows gathered on the host, then widened: not the whole table
         # the activations as chunks [m, b, T, D] (the full batches stacked, then the remainder), each
         # chunk one compiled call looping over its batches: one call per batch cost a dispatch each
         full = n // bs * bs
-        chunks = [jnp.take(emb, jnp.asarray(windows[:full].reshape(n // bs, bs, T)), axis=0)]
+        chunks = [jnp.asarray(emb[windows[:full].reshape(n // bs, bs, T)].astype(np.float32))]
         if n > full:
-            chunks.append(jnp.take(emb, jnp.asarray(windows[full:][None]), axis=0))
+            chunks.append(jnp.asarray(emb[windows[full:][None]].astype(np.float32)))
 
         # RoPE tables and mask sliced to each chunk's batch once, not per group and layer
         consts = [(cos[:xs.shape[1]], sin[:xs.shape[1]], mask[:xs.shape[1]]) for xs in chunks]
         ntok = n * T
 
+    layers = fast.carry_bits(layers)
     groups = SEQUENTIAL if spec.true_sequential else (M.PROJECTIONS,)
     plan, fwd_reuse = attention_plan(groups)
     futures = (_compile_ahead(fns, spec, layers, chunks, consts, groups, plan, fwd_reuse, report)
@@ -277,7 +280,8 @@ def quantize_model(model, windows, spec, *, method: str = "gptq", batch_size: in
                     else:
                         res = gptq.rtn_quantize(W, spec)
                     p[proj] = jax.device_put(np.ascontiguousarray(res.Q.T))  # later groups/layers see quantized
-                    packed[proj].append(res)
+                    # kept packed: the dense Q and int codes of every layer were another model in float32
+                    packed[proj].append(np.asarray(res.Q) if spec.bits == 3 else res.packed(spec.bits))
                     bar.update(1)
             if method == "gptq":  # the quantized layer's outputs are the next layer's inputs
                 _ready(futures, *[("fwd", ci) for ci in range(len(chunks))])
@@ -294,14 +298,14 @@ def _install(model, packed, bits):
     """Replace each stacked projection of model.layers by a QuantLinear (or a dense fake-quant kernel
     for 3-bit, which the packed format does not cover)."""
 
-    for proj, results in packed.items():
+    for proj, per in packed.items():  # per layer: Q [N, K] (3-bit) or QuantResult.packed's dict
         (_, axes) = M.param_table(model.cfg)["layers/" + proj]
         if bits == 3:
             dtype = getattr(model.layers, proj)[...].dtype
-            setattr(model.layers, proj, nnx.Param(jax.device_put(np.stack([np.asarray(r.Q).T for r in results])
+            setattr(model.layers, proj, nnx.Param(jax.device_put(np.stack([q.T for q in per])
                                                                  .astype(dtype)), axes=axes))
             continue
-        per = [r.packed(bits) for r in results]  # device_put: jnp.asarray compiles a program per shape
+        # device_put: jnp.asarray compiles a program per shape
         setattr(model.layers, proj, QuantLinear(**{k: jax.device_put(np.stack([d[k] for d in per]))
                                                    for k in per[0]}))
 

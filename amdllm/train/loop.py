@@ -25,6 +25,7 @@ from amdllm.files import atomic_write_bytes, atomic_write_text
 from amdllm.io.peft import save_adapter
 from amdllm.model import Llama
 import amdllm.model.lora as lora_mod
+from amdllm.model.fast import inference_weights
 from amdllm.parallel.sharding import batch_ways, shard_model
 import amdllm.train.data as data_mod
 from amdllm.train.report import task_accuracy
@@ -109,6 +110,9 @@ def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig 
     if mesh is not None:
         shard_model(model, mesh, rules)
     lora, frozen = split_params(model)
+    # a narrow frozen base travels as bits on a CPU (one layer widened at a time; see model.fast)
+    top, layers = inference_weights({k: v for k, v in frozen.items() if k != "layers"}, frozen["layers"])
+    frozen = {**top, "layers": layers}
     optimizer, schedule = make_optimizer(tc)
     opt_state = optimizer.init(lora)
     global_batch = tc.batch_size * tc.grad_accum
