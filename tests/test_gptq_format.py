@@ -261,9 +261,10 @@ def test_quantize_cli_then_eval(tmp_path, capsys):
     assert not (tmp_path / "bad").exists()
 
 
-def test_bfloat16_model_saves_float16_tensors(tmp_path):
-    """The quantized checkpoint declares float16: a bfloat16 model's embeddings, norms and head are cast
-    (numpy files bfloat16 under kind "V", which an `is float` test by kind missed)."""
+def test_bfloat16_model_keeps_bfloat16_tensors(tmp_path):
+    """A bfloat16 model's unquantized tensors (embeddings, norms, head) are written in bfloat16, all of
+    them, and the config declares it, as GPTQModel keeps the source dtype (float16 would turn bf16 values
+    beyond 65504 into inf). numpy files bfloat16 under kind "V", which an `is float` test by kind missed."""
     spec = gptq.QuantSpec(bits=4, group_size=32)
     _, _, model, _ = _quantized_tiny(tmp_path, spec)
     for name in ("embed_tokens", "norm", "lm_head"):
@@ -272,5 +273,8 @@ def test_bfloat16_model_saves_float16_tensors(tmp_path):
     out = gptq.save_quantized(model, tmp_path / "q", qf.quant_config_dict(4, 32, True, False))
     t = load_file(out / "model.safetensors")
     for k in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
-              "model.layers.1.input_layernorm.weight"):
-        assert t[k].dtype == np.float16, k
+              "model.layers.1.input_layernorm.weight", "model.layers.1.post_attention_layernorm.weight"):
+        assert t[k].dtype.name == "bfloat16", k
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    back = checkpoint.load(out)
+    np.testing.assert_array_equal(np.asarray(back.embed_tokens[...]), np.asarray(model.embed_tokens[...], np.float32))

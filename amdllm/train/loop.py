@@ -111,8 +111,8 @@ def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig 
         shard_model(model, mesh, rules)
     lora, frozen = split_params(model)
     # a narrow frozen base travels as bits on a CPU (one layer widened at a time; see model.fast)
-    top, layers = inference_weights({k: v for k, v in frozen.items() if k != "layers"}, frozen["layers"])
-    frozen = {**top, "layers": layers}
+    top, layers = inference_weights({k: v for k, v in frozen.items() if k != "layers"}, frozen.get("layers", {}))
+    frozen = {**top, "layers": layers} if frozen else frozen
     optimizer, schedule = make_optimizer(tc)
     opt_state = optimizer.init(lora)
     global_batch = tc.batch_size * tc.grad_accum
