@@ -64,7 +64,7 @@ def run(args) -> int:
     model_dir = resolve_model_dir(args.model)
     dtype = args.dtype
     if dtype == "auto":  # docs/cli.md: the measurements behind this choice
-        stored = str(checkpoint.read_config(Path(model_dir)).get("torch_dtype") or "float32")
+        stored = checkpoint.stored_dtype(Path(model_dir))
         dtype = "bfloat16" if jax.default_backend() != "cpu" or stored == "bfloat16" else "float32"
     # the frozen base in the dtype asked for (bf16 on accelerators: half the memory); LoRA factors and
     # optimizer state are float32 whatever it is (amdllm.model.lora)

@@ -11,7 +11,7 @@ from amdllm import course
 from amdllm.cli.common import add_pickle_arg, emit
 from amdllm.cli.common import model_dir as resolve_model_dir
 from amdllm.files import atomic_write_text
-from amdllm.io.checkpoint import load, read_config
+from amdllm.io.checkpoint import load, stored_dtype
 from amdllm.io.gptq_format import quant_config_dict, save_quantized
 from amdllm.io.tokenizer import encode_fast
 from amdllm.quant.calibrate import calibration_windows, model_bytes, quantize_model
@@ -28,8 +28,7 @@ def run_quantize(args) -> dict:
     model_dir = resolve_model_dir(args.model)
     t0 = time.perf_counter()
     # a bfloat16 checkpoint is held as bfloat16 (each layer is widened to float32 when it is quantized)
-    stored = str(read_config(Path(model_dir)).get("torch_dtype") or "float32")
-    model = load(model_dir, dtype=jnp.bfloat16 if stored == "bfloat16" else jnp.float32,
+    model = load(model_dir, dtype=jnp.bfloat16 if stored_dtype(Path(model_dir)) == "bfloat16" else jnp.float32,
                  allow_pickle=args.allow_pickle)
     fitted, note = fit_group_size(model.cfg, spec.group_size)
     if note:

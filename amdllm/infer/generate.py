@@ -232,7 +232,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 def load_model(model_dir, adapter=None, dtype: str = "float32", allow_pickle: bool = False):
     """(model, tokenizer, model_dir): an HF or GPTQ checkpoint directory, with a PEFT adapter if given.
     allow_pickle: also read pickled pytorch_model*.bin weights (tensors only)."""
-    if dtype not in DTYPES:
+    if dtype not in DTYPES:  # before the tokenizer: a bad flag is reported before anything is read
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     tokenizer = load_tokenizer(model_dir)  # first: a broken tokenizer is found in a second, not after the weights
     return load_weights(model_dir, adapter, dtype, allow_pickle), tokenizer, model_dir

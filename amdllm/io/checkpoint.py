@@ -192,6 +192,12 @@ def read_config(path: Path, role: str = "") -> dict:
     return read_json(path / "config.json", CheckpointError)
 
 
+def stored_dtype(path: Path) -> str:
+    """The dtype config.json says the weights are stored in ("float32" when it says none)."""
+    raw = read_config(path)
+    return str(raw.get("torch_dtype") or raw.get("dtype") or "float32")
+
+
 def is_quantized(path: Path, raw: dict) -> bool:
     return bool(raw.get("quantization_config")) or (path / "quantize_config.json").is_file()
 

@@ -225,6 +225,10 @@ def _is_bits(a) -> bool:
     return isinstance(a, Bits)
 
 
+def _has_bits(tree) -> bool:
+    return any(_is_bits(a) for a in jax.tree.leaves(tree, is_leaf=_is_bits))
+
+
 def _narrow(a) -> bool:
     return _is_bits(a) or (jnp.issubdtype(a.dtype, jnp.floating) and jnp.dtype(a.dtype).itemsize == 2)
 
@@ -285,12 +289,16 @@ def lookup(table, tokens):
     return jnp.take(table, tokens, axis=0)
 
 
+def _head_table(top):
+    """(the head's weight, its vocabulary axis): the tied embedding [V, D] or lm_head [D, V]."""
+    return (top["embed_tokens"], 0) if "lm_head" not in top else (top["lm_head"], 1)
+
+
 def _fold_head(top, h2, dtype, step, carry):
     """carry = step(carry, logits [N, n] float32, start) over the head's vocabulary blocks [start, start+n);
     h2 [N, D]. The blocks are scanned (one compiled body); a remainder runs last."""
-    tied = "lm_head" not in top
-    w = top["embed_tokens"] if tied else top["lm_head"]                                  # [V, D] or [D, V]
-    axis = 0 if tied else 1
+    w, axis = _head_table(top)
+    tied = axis == 0
     V = w.shape[axis]
     n = max(1, V // HEAD_BLOCK)
     size = V // n
@@ -311,12 +319,12 @@ def _fold_head(top, h2, dtype, step, carry):
 def head_blocked(top: dict, h, dtype):
     """`layers.head` (float32 logits [..., V]) by vocabulary blocks when the head is narrow on a CPU, so
     it is never widened whole. Differentiable in h (and in a plain narrow head; `Bits` get none)."""
-    w = top["embed_tokens"] if "lm_head" not in top else top["lm_head"]
+    w, axis = _head_table(top)
     if jax.default_backend() != "cpu" or not _narrow(w):
         return llama_head(top, h, dtype)
     lead, D = h.shape[:-1], h.shape[-1]
     h2 = h.reshape(-1, D)
-    V = top["lm_head"].shape[1] if "lm_head" in top else top["embed_tokens"].shape[0]
+    V = w.shape[axis]
     out = _fold_head(top, h2, dtype, lambda o, lg, s: jax.lax.dynamic_update_slice_in_dim(o, lg, s, axis=1),
                      jnp.zeros((h2.shape[0], V), jnp.float32))
     return out.reshape(*lead, V)
@@ -357,7 +365,7 @@ def kernels(fuse: bool) -> Kernels:
 
 def kernels_for(run: Run, layers=None) -> Kernels:
     k = kernels(fuse=run.act_sharding is None and jax.default_backend() == "cpu")
-    if any(_is_bits(a) for a in jax.tree.leaves(layers, is_leaf=_is_bits)):  # a frozen narrow base
+    if _has_bits(layers):  # a frozen narrow base
         k = k._replace(policy=keep_all_but_widening)
     return k
 
@@ -431,7 +439,7 @@ def layer_views(layers: dict) -> list[dict] | None:
     step then scans the stacked weights."""
     if jax.default_backend() != "cpu":
         return None
-    if any(_is_bits(a) for a in jax.tree.leaves(layers, is_leaf=_is_bits)):
+    if _has_bits(layers):
         return None  # unrolled, XLA would widen every layer's bits up front; the scan widens one at a time
     leaves, treedef = jax.tree.flatten(layers)
     if not leaves or any(not isinstance(a, jax.Array) or len(a.sharding.device_set) != 1 for a in leaves):
