@@ -10,19 +10,25 @@ import os
 import jax
 
 
-def cpu_compiler_options(kind: str) -> dict | None:
+YNN_TRAIN_MIN_HIDDEN = 1024
+
+
+def cpu_compiler_options(kind: str, hidden_size: int = 0) -> dict | None:
     """XLA:CPU options for a jitted "decode" or "train" step (None elsewhere: nothing changes there).
 
     decode: XLA:CPU hands dots to XNNPACK/YNNPACK, which pays off for large matmuls but not for a decode
     step's few rows (31M benchmark model, batch 8: 97 ms a step with XNNPACK, 37 ms without; with
-    per-layer views, leaving the YNNPACK fusions off too, ~23 ms). train: dots go to Eigen rather than
-    YNNPACK fusions, the same numbers ~1.07x faster on the 31M benchmark step."""
+    per-layer views, leaving the YNNPACK fusions off too, ~23 ms).
+    train: the YNNPACK fusions win on large kernels and lose on small ones. A model with hidden_size below
+    YNN_TRAIN_MIN_HIDDEN sends its dots to Eigen instead: the 31M benchmark step (hidden 512) ~1.07x
+    faster. At hidden 2048 (the 1B shape, batch 1 x 256, r8, 2 cores) XLA's defaults are: 15.2 against
+    9.0 tokens/s with a bf16 base, 15.1 against 8.2 in float32 (BENCHMARKS.md, 1B section)."""
     if jax.default_backend() != "cpu":
         return None
     if kind == "decode":
         return {"xla_cpu_use_xnnpack": False, "xla_cpu_experimental_ynn_fusion_type": ""}
     if kind == "train":
-        return {"xla_cpu_experimental_ynn_fusion_type": ""}
+        return {"xla_cpu_experimental_ynn_fusion_type": ""} if hidden_size < YNN_TRAIN_MIN_HIDDEN else None
     raise ValueError(f"kind must be 'decode' or 'train', got {kind!r}")
 
 

@@ -66,8 +66,17 @@ def test_tokenizer_loads_offline_adds_bos_once_and_round_trips():
         assert len(tok(" " + w, add_special_tokens=False)["input_ids"]) == 1, w
         assert len(tok("\n" + w, add_special_tokens=False)["input_ids"]) == 2, w
     ours = load_tokenizer(DATA / "tokenizer")
-    assert ours(line)["input_ids"] == tok(line)["input_ids"]
+    assert type(ours) is type(tok) and ours(line)["input_ids"] == tok(line)["input_ids"]
     assert 512 < len(tok) <= 4096
+
+
+def test_loading_a_generic_fast_tokenizer_does_not_import_torch():
+    """A tokenizer_config naming PreTrainedTokenizerFast (Llama 3's, ours) loads that class directly:
+    `transformers.AutoTokenizer` imports PyTorch, ~0.25 GB in every generate and serve process."""
+    code = ("import sys; from amdllm.io.tokenizer import load_tokenizer; "
+            f"t = load_tokenizer({str(DATA / 'tokenizer')!r}); print(t('hi')['input_ids'], 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split()[-1] == "False", out
 
 
 def test_load_tokenizer_errors_name_the_directory(tmp_path):

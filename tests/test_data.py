@@ -98,8 +98,24 @@ def test_too_long_truncated_or_dropped_and_counted():
     # the third example's only response token is cut off: nothing left to learn, dropped
     assert t.stats["truncated"] == 2 and t.stats["dropped"] == 1 and len(t) == 2
     assert t.tokens[0].tolist() == [0, 1, 2, 3]
+    assert t.stats["dropped_tokens"] == 3 + 1  # predictions cut: 3 of the first, the third's only one
     d = data.build_dataset(ex, seq_len=4, pack=False, too_long="drop")
     assert d.stats["truncated"] == 0 and d.stats["dropped"] == 2 and len(d) == 1
+    assert d.stats["dropped_tokens"] == 6 + 1
+
+
+def test_too_long_split_into_windows_by_default_every_prediction_kept():
+    """A long document becomes consecutive seq_len windows (each its own segment, positions from 0) that
+    predict each of its tokens exactly once; a window of prompt only is left out; nothing is dropped."""
+    doc = list(range(3, 14))                       # 11 tokens: 10 predictions
+    ex = [(doc, [1] * len(doc)), ([0, 1, 2, 3, 4, 5, 6], [0, 0, 0, 0, 0, 0, 1])]
+    ds = data.build_dataset(ex, seq_len=4)
+    assert ds.stats["split"] == 2 and ds.stats["dropped"] == 0 and ds.stats["dropped_tokens"] == 0
+    seg = ds.segment_ids > 0
+    pairs = list(zip(ds.tokens[seg].tolist(), ds.targets[seg].tolist()))
+    assert pairs[:10] == list(zip(doc[:-1], doc[1:]))  # in order, none lost or repeated
+    assert ds.weights[seg].sum() == 10 + 1            # the second example's [0..3] window is prompt only
+    assert ds.positions[0].tolist() == [0, 1, 2, 3] and ds.positions[2].tolist()[:2] == [0, 1]
 
 
 def test_batch_order_is_deterministic_and_covers_each_epoch():

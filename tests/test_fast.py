@@ -184,3 +184,29 @@ def test_greedy_decoding_of_narrow_weights_equals_the_plain_path():
         logits = llama.forward(m.cfg, top, layers, jnp.asarray([ids]), run=Run(jnp.bfloat16))[0]
         ids.append(int(jnp.argmax(logits[0, -1])))
     assert got == ids[len(prompt):]
+
+
+def test_decode_step_widens_one_kernel_at_a_time(monkeypatch):
+    """XLA:CPU's scheduler widens all of a layer's kernels at the top of the layer, side by side in float32
+    (1B bf16 decode step: 254 MB of scratch). `Bits.widen_for` reads each kernel after its matmul's input:
+    the scratch is then below the layer's kernels in float32 (and is not without it: what this fixes)."""
+    from amdllm.infer import generate as gen
+    m = bf16_model(dataclasses.replace(BIG, intermediate_size=2048, vocab_size=256))
+    top, layers = fast.inference_weights(*to_pure(m))
+    layer_f32 = sum(a.bits[0].size * 4 for a in layers.values() if a.bits.ndim == 3)
+
+    def step_scratch():
+        gen._COMPILED.clear()
+        prefill, step = gen._compiled(m)
+        toks, pos, seg, lens = gen.pack_prompts([[1, 2, 3]])
+        key, t, p = jax.random.PRNGKey(0), jnp.zeros(1), jnp.ones(1)
+        tok, _, cache = prefill(top, layers, toks, pos, seg, key, t, p, cache_len=64)
+        args = (top, layers, tok, lens.astype(np.int32), cache, toks.shape[1], 1, key, t, p)
+        return step.lower(*args).compile().memory_analysis().temp_size_in_bytes, step(*args)[0]
+
+    scratch, tok = step_scratch()
+    monkeypatch.setattr(fast.Bits, "widen_for", lambda self, x: self.value())
+    hoisted, tok_hoisted = step_scratch()
+    gen._COMPILED.clear()
+    assert scratch < 0.8 * layer_f32 < hoisted, (scratch, layer_f32, hoisted)
+    assert int(tok[0]) == int(tok_hoisted[0])

@@ -376,3 +376,32 @@ def test_serves_gptq_checkpoint_with_lora_adapter(served, tmp_path):
         r = c.completions.create(model="gptq+adapter", prompt=prompt, max_tokens=10, temperature=0,
                                  extra_body={"return_token_ids": True})
         assert r.choices[0].model_extra["token_ids"] == ref
+
+
+def test_engine_cache_grows_for_a_long_request_and_shrinks_when_idle(served, monkeypatch):
+    """The cache holds what the rows in flight need (a power of two from MIN_CACHE_SLOTS): a long request
+    grows it by a copy, the next request after idling finds it small again, and tokens stay exact."""
+    from amdllm.infer import engine as E
+    monkeypatch.setattr(E, "MIN_CACHE_SLOTS", 16)
+    eng, tok = served["h"].engine, served["tok"]
+    prompts = PROMPTS[:3]
+    refs = reference(served, prompts, 30)
+
+    def run(prompt, n):
+        seen, out, done = [], {}, __import__("threading").Event()
+
+        def emit(kind, v):
+            seen.append(eng.cache.valid.shape[1])  # the worker's own thread: no race with the cache
+            if kind != "delta":
+                out.update(v)
+                done.set()
+        eng.submit(E.Request(list(tok(prompt)["input_ids"]), n, emit, temperature=0.0))
+        assert done.wait(120)
+        return out["token_ids"], max(seen)
+
+    short, n_short = run(prompts[0], 4)     # prompt bucket 16 + 3 more slots: one block of 32
+    long, n_long = run(prompts[1], 30)      # 16 + 29 slots: the 64 of max_len
+    again, n_again = run(prompts[2], 4)     # idle in between: back to 32
+    assert (n_short, n_long, n_again) == (32, 64, 32)
+    assert short == refs[0]["token_ids"][:4] and long == refs[1]["token_ids"]
+    assert again == refs[2]["token_ids"][:4]

@@ -41,7 +41,9 @@ def add_cli(sub) -> None:
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--no-pack", action="store_true", help="one example per row (padding) instead of packing")
-    p.add_argument("--too-long", choices=("truncate", "drop"), default="truncate")
+    p.add_argument("--too-long", choices=data_mod.TOO_LONG, default="split",
+                   help="an example longer than --seq-len: split into windows (each token still trained once), "
+                        "truncate, or drop; the run's data stats count each and the tokens lost")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="frozen base weights and compute (auto: bfloat16 on accelerators; on a CPU the checkpoint's "

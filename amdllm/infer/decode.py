@@ -46,6 +46,14 @@ def sample_token(logits, key, temperature, top_p):
     index folded in) keeps rows independent. The sort is skipped when no row needs it (all greedy, or
     all top_p = 1), which matters for a 128k vocabulary.
     """
+    return sample_rows(logits, jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(logits.shape[0])),
+                       temperature, top_p)
+
+
+def sample_rows(logits, keys, temperature, top_p):
+    """`sample_token` with one key per row given (keys [B, 2]): row b draws with keys[b] alone. Callers
+    that batch unrelated requests (the server) pass each request's own key, and must not vmap this: under
+    vmap the conditionals below become selects, and every step would sort and draw over [B, V]."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def nucleus(scaled):                                                    # [B, V] -> masked [B, V]
@@ -59,7 +67,6 @@ def sample_token(logits, key, temperature, top_p):
     def sampled(_):
         scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
         scaled = jax.lax.cond(jnp.all(top_p >= 1.0), lambda s: s, nucleus, scaled)
-        keys = jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(logits.shape[0]))
         return jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
 
     tok = jax.lax.cond(jnp.any(temperature > 0), sampled, lambda _: greedy, None)

@@ -8,12 +8,18 @@ How the batch works (and why it is exact):
     (slots [c-P, c)); it then joins the very next decode step. RoPE is applied before keys are cached
     and each row keeps its own positions (0..P-1, P, ...), so which slots a row occupies never changes
     its numbers: a request gets the same tokens alone or in a crowd (tested against `generate`).
+  * The cache holds as many slots as the rows in flight need (a power of two from MIN_CACHE_SLOTS up to
+    `max_len`): it grows, by a copy, when an admitted request needs more, and drops back to the smallest
+    when the engine is idle. A 1B model served at batch 8 and context 4096 would otherwise hold (and read
+    at every step) 8 x 4096 slots for one short chat. Each size compiles the step once.
   * If the prompt does not fit to the left of c, c jumps forward (older rows just get invalid slots).
     If the tail of the cache is too short for every row's remaining tokens, the cache is shifted left
     by the smallest start slot of the active rows (a roll: positions are baked into the keys). If it
     still does not fit, the request waits until rows finish; a request never exceeds `max_len` alone.
-  * Sampling reuses `generate.sample_token` with generate's key schedule (token k of a request uses
-    fold_in(PRNGKey(seed), k)), so a seeded request reproduces `amdllm generate --seed`.
+  * Sampling is `decode.sample_rows`, generate's sampler, with generate's key schedule (token k of a
+    request uses fold_in(PRNGKey(seed), k)), so a seeded request reproduces `amdllm generate --seed`. It
+    runs on the whole batch, not vmapped per row: a vmapped conditional runs both branches, which sorted
+    and drew over all 8 x 128k logits at every greedy step of a Llama 3 vocabulary.
 The worker talks to the HTTP layer through callbacks (`Request.emit`), which the server turns into
 `loop.call_soon_threadsafe` calls: the asyncio event loop never waits on the model.
 """
@@ -32,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from amdllm.infer.decode import inference_run, last_logits, sample_token, step_logits
+from amdllm.infer.decode import inference_run, last_logits, sample_rows, step_logits
 from amdllm.model import KVCache, to_pure
 from amdllm.cpu import cpu_compiler_options
 from amdllm.model.fast import inference_weights, init_cache, layer_views
@@ -40,6 +46,7 @@ from amdllm.io.tokenizer import pad_id as tokenizer_pad_id
 
 log = logging.getLogger("amdllm.infer.engine")
 MIN_PREFILL_BUCKET = 16
+MIN_CACHE_SLOTS = 256
 
 
 @dataclass
@@ -119,6 +126,12 @@ def _roll_slots(c, m):
     return tuple(jnp.roll(x, m, axis=2) for x in c) if isinstance(c, tuple) else jnp.roll(c, m, axis=3)
 
 
+def _pad_slots(c, n):
+    """n more (zero) slots at the end of every row."""
+    pad = lambda x, axis: jnp.pad(x, [(0, n if a == axis else 0) for a in range(x.ndim)])  # noqa: E731
+    return tuple(pad(x, 2) for x in c) if isinstance(c, tuple) else pad(c, 3)
+
+
 class Engine:
     """Owns the model, the batch cache and the worker thread. `submit(req)` is thread-safe."""
 
@@ -140,7 +153,7 @@ class Engine:
         self.views = layer_views(self.layers)
         self.dtype = model.dtype
         self._build(model)
-        self.cache = self._new_cache()
+        self.cache = self._new_cache(self._slots(1))
         self.rows: list[_Row | None] = [None] * self.B
         self.c = 0  # next cache slot every active row writes
         self.inbox: queue.Queue = queue.Queue()
@@ -156,11 +169,11 @@ class Engine:
     def _build(self, model):
         cfg, run = self.cfg, inference_run(model)
 
-        def sample_rows(logits, keys, k, temp, top_p):
-            # logits [B, V], keys [B, 2], k [B] token index per row -> [B]; generate's key schedule
-            def one(lg, key, i, t, p):
-                return sample_token(lg[None], jax.random.fold_in(key, i), t[None], p[None])[0]
-            return jax.vmap(one)(logits, keys, k, temp, top_p)
+        def sample(logits, keys, k, temp, top_p):
+            # logits [B, V], keys [B, 2], k [B] token index per row -> [B]. generate's key schedule: a
+            # request's token k draws with fold_in(fold_in(its key, k), 0), row 0 of a batch of one
+            row_keys = jax.vmap(lambda key, i: jax.random.fold_in(jax.random.fold_in(key, i), 0))(keys, k)
+            return sample_rows(logits, row_keys, temp, top_p)
 
         def prefill(top, layers, cache, row, tokens, positions, seg, start, key, temp, top_p):
             # one request into cache row `row`: tokens/positions/seg [1, P] left-padded, written at
@@ -170,13 +183,13 @@ class Engine:
             last, sub = last_logits(cfg, run, top, layers, tokens, positions, seg, sub, start)   # [1, V]
             cache = KVCache(_put_row(cache.k, sub.k, row), _put_row(cache.v, sub.v, row),
                             jax.lax.dynamic_update_slice(cache.valid, sub.valid, (row, 0)))
-            tok = sample_rows(last, key[None], jnp.zeros((1,), jnp.int32), temp, top_p)
+            tok = sample(last, key[None], jnp.zeros((1,), jnp.int32), temp, top_p)
             return tok[0], cache
 
         def step(top, layers, cache, tok, pos, active, c, keys, k, temp, top_p):
             # tok/pos/active/k/temp/top_p [B]; every row writes slot c; inactive rows stay invalid
             logits, cache = step_logits(cfg, run, top, layers, tok, pos, active, cache, c)   # [B, V]
-            return sample_rows(logits, keys, k, temp, top_p), cache
+            return sample(logits, keys, k, temp, top_p), cache
 
         def shift(cache, m):  # move every row's slots m to the left; wrapped-in slots are invalid
             S = cache.valid.shape[1]
@@ -188,9 +201,22 @@ class Engine:
         self._prefill = jax.jit(prefill, donate_argnums=(2,))
         self._step = jax.jit(step, donate_argnums=(2,), compiler_options=cpu_compiler_options("decode"))
         self._shift = jax.jit(shift, donate_argnums=(0,))
+        self._grow = jax.jit(lambda cache, n: KVCache(_pad_slots(cache.k, n), _pad_slots(cache.v, n),
+                                                      jnp.pad(cache.valid, [(0, 0), (0, n)])),
+                             static_argnums=(1,), donate_argnums=(0,))
 
-    def _new_cache(self) -> KVCache:
-        return init_cache(self.cfg, self.B, self.S, self.dtype, per_layer=self.views is not None)
+    def _slots(self, n: int) -> int:
+        """The cache length for n slots: a power of two, at least MIN_CACHE_SLOTS, at most max_len."""
+        return min(self.S, max(MIN_CACHE_SLOTS, 1 << (max(n, 1) - 1).bit_length()))
+
+    def _new_cache(self, slots: int) -> KVCache:
+        return init_cache(self.cfg, self.B, slots, self.dtype, per_layer=self.views is not None)
+
+    def _reserve(self, n: int) -> None:
+        """Make the cache at least n slots long (rows keep their slots: new ones are added at the end)."""
+        have = self.cache.valid.shape[1]
+        if n > have:
+            self.cache = self._grow(self.cache, self._slots(n) - have)
 
     # ---------------------------------------------------------------- public API
     def submit(self, req: Request) -> None:
@@ -231,7 +257,7 @@ class Engine:
                     if r is not None:
                         self._fail(r.req, f"generation failed: {type(e).__name__}: {e}")
                         self.rows[i] = None
-                self.cache = self._new_cache()
+                self.cache = self._new_cache(self._slots(1))
                 self.c = 0
 
     def _drain_inbox(self, block: bool):
@@ -260,12 +286,16 @@ class Engine:
         active = [r for r in self.rows if r is not None]
         if not active:
             self.c = 0
+            if self.cache.valid.shape[1] > self._slots(1):  # idle: give back what a long request took
+                self.cache = self._new_cache(self._slots(1))
         c = max(self.c, Pb)
 
-        def need(c):  # a row with g tokens out writes max_tokens - g more slots (c, c+1, ...);
-            # the newcomer will have 1 token out of its prefill
-            rem = [r.req.max_tokens - len(r.out_ids) for r in active] + [req.max_tokens - 1]
-            return c + max(rem) <= self.S
+        # a row with g tokens out writes max_tokens - g more slots (c, c+1, ...); the newcomer will have
+        # 1 token out of its prefill
+        rest = max([r.req.max_tokens - len(r.out_ids) for r in active] + [req.max_tokens - 1])
+
+        def need(c):
+            return c + rest <= self.S
         if not need(c):
             m = min([r.start for r in active] + [c - Pb])
             if m > 0 and need(c - m):
@@ -278,6 +308,7 @@ class Engine:
             else:
                 return False
         self.c = c
+        self._reserve(c + rest)
         row = self.rows.index(None)
         toks = np.full((1, Pb), self.pad, np.int32)
         seg = np.zeros((1, Pb), np.int32)

@@ -32,7 +32,7 @@ def load_tokenizer(path: str | os.PathLike):
     """A fast `transformers` tokenizer from a checkpoint or tokenizer directory (offline): its tokenizer.json,
     else its SentencePiece tokenizer.model converted by transformers (the ids `AutoTokenizer` gives)."""
     # transformers costs seconds to import: loaded when a tokenizer is, not by every command that imports us
-    from transformers import AutoTokenizer, PreTrainedTokenizerBase
+    from transformers import PreTrainedTokenizerBase
 
     p = Path(path)
     if not p.is_dir():
@@ -45,13 +45,31 @@ def load_tokenizer(path: str | os.PathLike):
             raise TokenizerError(f"{p}: no tokenizer.json or SentencePiece tokenizer.model; found {found}")
         _check_sentencepiece(what)
     try:
-        tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+        if _plain_fast(p):
+            from transformers import PreTrainedTokenizerFast  # what AutoTokenizer picks for this config
+            tok = PreTrainedTokenizerFast.from_pretrained(str(p), local_files_only=True)
+        else:
+            from transformers import AutoTokenizer
+            tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
     except Exception as e:  # transformers raises many types; one line naming the file is what helps
         msg = str(e).splitlines()[0] if str(e) else ""
         raise TokenizerError(f"{what}: could not load the tokenizer: {type(e).__name__}: {msg}") from None
     if not isinstance(tok, PreTrainedTokenizerBase) or not getattr(tok, "is_fast", False):
         raise TokenizerError(f"{p}: loaded {type(tok).__name__}, expected a fast (tokenizer.json) tokenizer")
     return tok
+
+
+def _plain_fast(p: Path) -> bool:
+    """True when tokenizer_config.json names the generic fast class (Llama 3's and the course's) for a
+    tokenizer.json and no remote code: AutoTokenizer then loads exactly that class. Loading it directly
+    skips `transformers.AutoTokenizer`, whose import pulls in PyTorch (~0.25 GB of RSS in every
+    generate/serve process, measured on the 1B shape; BENCHMARKS.md)."""
+    try:
+        cfg = json.loads((p / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return ((p / "tokenizer.json").is_file() and isinstance(cfg, dict) and "auto_map" not in cfg
+            and cfg.get("tokenizer_class") in ("PreTrainedTokenizerFast", "TokenizersBackend"))
 
 
 def _check_sentencepiece(path: Path) -> None:

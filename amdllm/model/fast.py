@@ -200,7 +200,8 @@ class Bits:
     XLA:CPU computes nothing in bfloat16: it widens every narrow operand to float32, slicing included, so
     the layer scan's slice of the stacked weights becomes a slice of a float32 copy of the whole stack,
     which it then hoists out of the loop (a 2.47 GB bf16 1B model evaluated at 7.5 GB). Integers are
-    sliced as they are: the scan slices the bits, and `fence` turns one layer's slice back into floats.
+    sliced as they are: the scan slices the bits, and `fence` and `widen_for` turn one layer's slice back
+    into floats.
     Bits have no gradient: only weights that are not differentiated (a frozen base, inference) use them."""
 
     def __init__(self, bits, dtype):
@@ -219,6 +220,16 @@ class Bits:
 
     def value(self):
         return jax.lax.bitcast_convert_type(self.bits, self.dtype)
+
+    def widen_for(self, x):
+        """The floats, read only once `x` (the matmul's input) exists. XLA:CPU's scheduler otherwise
+        widens all of a layer's kernels at the top of the layer, each into float32, so they sit side by
+        side (1B bf16 decode step: 254 MB of scratch, where one MLP kernel is 67 MB). min(u, 0) is 0 for
+        any unsigned u, but XLA does not fold it: OR-ing it in is exact and orders the read after x."""
+        s = jax.lax.stop_gradient(x).reshape(-1)[0]
+        u = jax.lax.bitcast_convert_type(s, {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[s.dtype.itemsize])
+        zero = jnp.minimum(u, jnp.zeros_like(u)).astype(self.bits.dtype)
+        return jax.lax.bitcast_convert_type(self.bits | zero, self.dtype)
 
 
 def _is_bits(a) -> bool:
@@ -266,17 +277,26 @@ def inference_weights(top: dict, layers):
     return {**top, **table}, carry_bits(layers)
 
 
+def widen(a):
+    """An array, or `Bits` read back as floats: all of it, now."""
+    return a.value() if _is_bits(a) else a
+
+
 def fence(p):
-    """A layer's parameters with any `Bits` turned back into floats (`Kernels.weights` of the fast kernels)."""
-    return jax.tree.map(lambda a: a.value() if _is_bits(a) else a, p, is_leaf=_is_bits)
+    """A layer's parameters with any `Bits` turned back into floats (`Kernels.weights` of the fast kernels),
+    but for the dense 2-D kernels: `layers.linear` widens each of those just before its matmul (`widen_for`).
+    (A GPTQ projection's dict of packed tensors is widened here: its scales feed the dequantization.)"""
+    return {k: v if _is_bits(v) and v.bits.ndim == 2 else jax.tree.map(widen, v, is_leaf=_is_bits)
+            for k, v in p.items()}
 
 
-RECOMPUTED = ("convert_element_type", "bitcast_convert_type", "transpose", "dynamic_slice")
+RECOMPUTED = ("convert_element_type", "bitcast_convert_type", "transpose", "dynamic_slice", "or", "min")
 
 
 def keep_all_but_widening(prim, *_, **__) -> bool:
     """jax.checkpoint policy: keep every residual but those of the ops that fetch and widen a weight (a
-    slice, the bits read as floats, a transpose, a dtype conversion: all cheap), which the backward redoes.
+    slice, the bits read as floats and `widen_for`'s OR, a transpose, a dtype conversion: all cheap),
+    which the backward redoes.
     Autodiff would otherwise keep each layer's (and each head block's) widened frozen weights for the
     backward: the whole stack in float32."""
     return prim.name not in RECOMPUTED
@@ -304,7 +324,7 @@ def _fold_head(top, h2, dtype, step, carry):
     size = V // n
 
     def logits(start, rows):
-        blk = fence(jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, rows, axis=axis), w))
+        blk = widen(jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, rows, axis=axis), w))
         blk = blk.T if tied else blk                                                     # [D, rows]
         return jnp.dot(h2, blk.astype(dtype), preferred_element_type=jnp.float32)       # [N, rows]
 

@@ -131,7 +131,7 @@ def _calibration_fns(cfg_json: str):
         [out, in]: one compile, not an eager slice or transpose compiled per shape."""
         # narrow weights come as `fast.Bits`: one layer is sliced from the bits and widened (XLA:CPU would
         # widen the whole stack to slice it)
-        p = {k: fast.fence(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, li, keepdims=False), v))
+        p = {k: fast.widen(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, li, keepdims=False), v))
              .astype(jnp.float32) for k, v in layers.items()}
         return p, {k: p[k].T for k in M.PROJECTIONS}
 

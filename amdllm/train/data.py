@@ -140,6 +140,9 @@ def prompt_ids(row: dict, tokenizer) -> list[int]:
 # --------------------------------------------------------------------------------------------------
 # Fixed-length rows
 # --------------------------------------------------------------------------------------------------
+TOO_LONG = ("split", "truncate", "drop")
+
+
 @dataclass
 class Dataset:
     """Next-token training rows, all [N, T]: predict targets[t] from tokens[..t] where weights > 0."""
@@ -159,29 +162,39 @@ class Dataset:
 
 
 def build_dataset(examples: list[tuple[list[int], list[int]]], seq_len: int, *, pack: bool = True,
-                  too_long: str = "truncate", pad_id: int = 0) -> Dataset:
+                  too_long: str = "split", pad_id: int = 0) -> Dataset:
     """Shift each example by one (inputs ids[:-1], targets ids[1:]) and lay them into rows of seq_len.
 
     pack=True: examples are placed greedily, in order, into rows (segment ids 1, 2, ... keep them from
     attending to each other, positions restart per example); pack=False: one example per row, padded.
-    too_long: 'truncate' (keep the first seq_len+1 tokens) or 'drop'. Both are counted in `stats`.
-    """
-    if too_long not in ("truncate", "drop"):
-        raise DataError(f"too_long must be 'truncate' or 'drop', got {too_long!r}")
+    too_long: an example with more than seq_len predictions is
+      'split' into consecutive windows of seq_len (each its own segment: every token is still predicted
+      once, without the context of the windows before it), 'truncate'd to its first seq_len, or 'drop'ped.
+    `stats` counts each, and the predicted tokens that truncation and dropping lost (`dropped_tokens`)."""
+    if too_long not in TOO_LONG:
+        raise DataError(f"too_long must be one of {TOO_LONG}, got {too_long!r}")
     if seq_len < 2:
         raise DataError(f"seq_len must be >= 2, got {seq_len}")
-    truncated = dropped = 0
+    split = truncated = dropped = lost = 0
     shifted = []
     for ids, mask in examples:
-        if len(ids) > seq_len + 1:
+        x, y, w = ids[:-1], ids[1:], mask[1:]
+        if len(x) > seq_len:
             if too_long == "drop":
-                dropped += 1
+                dropped, lost = dropped + 1, lost + sum(w)
                 continue
-            ids, mask, truncated = ids[:seq_len + 1], mask[:seq_len + 1], truncated + 1
-        if len(ids) < 2 or not any(mask[1:]):
+            if too_long == "truncate":
+                lost += sum(w[seq_len:])
+                x, y, w, truncated = x[:seq_len], y[:seq_len], w[:seq_len], truncated + 1
+            else:
+                split += 1
+                parts = [(x[i:i + seq_len], y[i:i + seq_len], w[i:i + seq_len]) for i in range(0, len(x), seq_len)]
+                shifted += [p for p in parts if any(p[2])]  # a window of prompt only teaches nothing
+                continue
+        if not x or not any(w):
             dropped += 1  # nothing left to learn (e.g. the response was cut off entirely)
             continue
-        shifted.append((ids[:-1], ids[1:], mask[1:]))
+        shifted.append((x, y, w))
     if not shifted:
         raise DataError(f"no usable examples: {dropped} dropped (too long for seq_len {seq_len} or "
                         "without response tokens)")
@@ -210,12 +223,13 @@ def build_dataset(examples: list[tuple[list[int], list[int]]], seq_len: int, *, 
             arr["segment_ids"][r, t:t + n] = s
             arr["positions"][r, t:t + n] = np.arange(n)
             t += n
-    stats = {"examples": len(examples), "used": len(shifted), "truncated": truncated, "dropped": dropped,
+    stats = {"examples": len(examples), "segments": len(shifted), "split": split, "truncated": truncated,
+             "dropped": dropped, "dropped_tokens": int(lost),
              "rows": N, "tokens": int((arr["segment_ids"] > 0).sum()), "trained_tokens": int(weights.sum())}
     return Dataset(weights=weights, stats=stats, **arr)
 
 
-def load_dataset(path, tokenizer, seq_len: int, *, pack: bool = True, too_long: str = "truncate") -> Dataset:
+def load_dataset(path, tokenizer, seq_len: int, *, pack: bool = True, too_long: str = "split") -> Dataset:
     """Read, template, tokenize and lay out a JSONL file. Errors name file:line."""
     rows = read_jsonl(path)
     examples = []

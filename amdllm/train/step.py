@@ -140,7 +140,7 @@ def make_train_step(model: Llama, optimizer: optax.GradientTransformation, full:
         new_trained, new_opt = jax.tree.map(keep, new_trained, trained), jax.tree.map(keep, new_opt, opt_state)
         return new_trained, new_opt, {"loss": loss, "grad_norm": gnorm, "ok": ok, "weight": total_w}
 
-    return jax.jit(step, donate_argnums=(0, 1), compiler_options=cpu_compiler_options("train"))
+    return jax.jit(step, donate_argnums=(0, 1), compiler_options=cpu_compiler_options("train", model.cfg.hidden_size))
 
 
 def make_eval_step(model: Llama):
