@@ -199,7 +199,7 @@ def test_bounded_load_all_succeed_nobody_gets_anothers_output(served):
     """8 concurrent clients, 40 requests, distinct prompts with known greedy outputs and varied lengths."""
     c, eng = served["client"], served["h"].engine
     refs = {p: r["token_ids"] for p, r in zip(PROMPTS, reference(served, PROMPTS, 12))}
-    before = dict(eng.stats)
+    before = {k: v.copy() if hasattr(v, "copy") else v for k, v in eng.stats.items()}
     jobs = [(PROMPTS[i % len(PROMPTS)], 4 + (i * 5) % 9) for i in range(40)]
 
     def one(job):
@@ -299,7 +299,7 @@ def test_engine_joins_running_batch_and_shifts_the_cache(served):
     (px, rx), (py, ry), (pz, rz) = refs[:3]
     tok = served["tok"]
     results, done = {}, {}
-    before = dict(eng.stats)
+    before = {k: v.copy() if hasattr(v, "copy") else v for k, v in eng.stats.items()}
 
     def make(name, prompt, n, then=None, at=0):
         seen = []
@@ -331,6 +331,10 @@ def test_engine_joins_running_batch_and_shifts_the_cache(served):
     assert results["y"]["token_ids"] == ry["token_ids"]
     assert results["z"]["token_ids"] == rz["token_ids"]
     assert eng.stats["shifts"] == before["shifts"] + 1
+    # steps run only the active rows, rounded up to a power of two: X alone ran 1 row, X and Y 2; when X
+    # finished, Y's cache row moved into X's place (the active rows stay first)
+    assert eng.stats["step_rows"][1] > before["step_rows"][1] and eng.stats["step_rows"][2] > before["step_rows"][2]
+    assert eng.stats["moves"] > before["moves"]
     # on the CPU the engine decodes per-layer weight views with a per-layer cache (generate.layer_views):
     # the joins and the shift above ran on that layout
     assert eng.views is not None and isinstance(eng.cache.k, tuple)
