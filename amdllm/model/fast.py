@@ -54,7 +54,11 @@ def project_group(p: dict, key: str, x, lora: LoRA, fuse: bool, joined: bool = F
     if (not fuse or rows < FUSE_MIN_ROWS or any(isinstance(p[n], dict) for n in names)  # GPTQ: separate
             or any(jnp.dtype(p[n].dtype).itemsize < 4 for n in names)):  # XLA:CPU widens narrow kernels
         # (a copy each already): a concat would be one more
-        return [project(p, n, x, lora) for n in names]
+        outs = []
+        for n in names:  # narrow kernels as bits: each read after the one before it is used
+            q = {**p, n: p[n].after(outs[-1])} if outs and isinstance(p[n], Bits) else p
+            outs.append(project(q, n, x, lora))
+        return outs
     sizes = [p[n].shape[-1] for n in names]
     x2 = x.reshape(-1, x.shape[-1])
     y = x2 @ jnp.concatenate([p[n] for n in names], axis=-1).astype(x.dtype)           # [rows, sum(out)]
@@ -221,15 +225,23 @@ class Bits:
     def value(self):
         return jax.lax.bitcast_convert_type(self.bits, self.dtype)
 
+    def after(self, y):
+        """The same bits, read only once y exists (see `widen_for`)."""
+        return Bits(self.bits | _zero_of(y, self.bits.dtype), self.dtype)
+
     def widen_for(self, x):
         """The floats, read only once `x` (the matmul's input) exists. XLA:CPU's scheduler otherwise
         widens all of a layer's kernels at the top of the layer, each into float32, so they sit side by
         side (1B bf16 decode step: 254 MB of scratch, where one MLP kernel is 67 MB). min(u, 0) is 0 for
         any unsigned u, but XLA does not fold it: OR-ing it in is exact and orders the read after x."""
-        s = jax.lax.stop_gradient(x).reshape(-1)[0]
-        u = jax.lax.bitcast_convert_type(s, {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[s.dtype.itemsize])
-        zero = jnp.minimum(u, jnp.zeros_like(u)).astype(self.bits.dtype)
-        return jax.lax.bitcast_convert_type(self.bits | zero, self.dtype)
+        return jax.lax.bitcast_convert_type(self.bits | _zero_of(x, self.bits.dtype), self.dtype)
+
+
+def _zero_of(x, dtype):
+    """A 0 of `dtype` that XLA computes from x's first element (and cannot fold): ordering, not data."""
+    s = jax.lax.stop_gradient(x).reshape(-1)[0]
+    u = jax.lax.bitcast_convert_type(s, {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[s.dtype.itemsize])
+    return jnp.minimum(u, jnp.zeros_like(u)).astype(dtype)
 
 
 def _is_bits(a) -> bool:
