@@ -1,7 +1,6 @@
 """checkpoint.load / save against checkpoints written and read by `transformers` itself."""
 import copy
 import json
-import os
 
 import jax
 import jax.numpy as jnp

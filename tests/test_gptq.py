@@ -1,6 +1,5 @@
 """GPTQ solver and calibration: against a PyTorch transcription of the reference loop, and against RTN."""
 import math
-import warnings
 
 import jax
 import jax.numpy as jnp

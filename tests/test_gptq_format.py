@@ -259,6 +259,17 @@ def test_quantize_cli_then_eval(tmp_path, capsys):
     err = capsys.readouterr().err  # the sizes at fault, and the flag value that would work
     assert "--group-size 128 does not divide the in_features [64, 128]" in err and "pass --group-size 64" in err
     assert not (tmp_path / "bad").exists()
+    # never over its input, even with --overwrite; an earlier result only with --overwrite
+    src = {f.name: f.read_bytes() for f in ckpt.iterdir() if f.is_file()}
+    again = ["quantize", "--model", str(ckpt), "--calib", str(tmp_path / "calib.txt"), "--method", "rtn",
+             "--group-size", "32", "--json", "--out"]
+    assert cli.main(again + [str(ckpt), "--overwrite"]) == 2
+    assert f"--out {ckpt}: is an input" in capsys.readouterr().err
+    assert {f.name: f.read_bytes() for f in ckpt.iterdir() if f.is_file()} == src
+    assert cli.main(again + [str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out}: exists and is not empty" in err and "pass --overwrite" in err
+    assert cli.main(again + [str(out), "--overwrite"]) == 0 and json.loads(capsys.readouterr().out)["method"] == "rtn"
 
 
 def test_bfloat16_model_keeps_bfloat16_tensors(tmp_path):

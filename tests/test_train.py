@@ -12,7 +12,6 @@ from amdllm.train import data
 from amdllm.model import lora
 from amdllm.io import peft
 from amdllm import train
-from amdllm import model as model_mod
 from amdllm.config import LlamaConfig
 from amdllm.model import Llama
 from amdllm.model.fast import FUSE_MIN_ROWS, FUSED
@@ -247,3 +246,16 @@ def test_cli_finetune_writes_peft_adapter_metrics_and_merged_checkpoint(tmp_path
     assert cli.main(["finetune", "--model", str(ckpt), "--data", str(tmp_path / "d.jsonl"), "--out",
                      str(tmp_path / "o2"), "--targets", "q,zz", "--no-progress"]) == 2
     assert "unknown LoRA target module 'zz'" in capsys.readouterr().err
+    # an earlier adapter in --out is replaced only with --overwrite; --out is never the model
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    shutil.copy(out / "adapter_model.safetensors", kept / "adapter_model.safetensors")
+    again = ["finetune", "--model", str(ckpt), "--data", str(tmp_path / "d.jsonl"), "--steps", "1", "--rank", "4",
+             "--targets", "q", "--batch-size", "4", "--seq-len", "64", "--mesh", "fsdp=1", "--no-progress", "--out"]
+    assert cli.main(again + [str(kept)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {kept}: exists and is not empty (adapter_model.safetensors); pass --overwrite" in err
+    assert (kept / "adapter_model.safetensors").read_bytes() == (out / "adapter_model.safetensors").read_bytes()
+    assert cli.main(again + [str(ckpt), "--overwrite"]) == 2 and "is an input" in capsys.readouterr().err
+    assert cli.main(again + [str(kept), "--overwrite", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["steps"] == 1

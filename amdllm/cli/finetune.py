@@ -10,13 +10,13 @@ import jax.numpy as jnp
 from amdllm.cli.common import add_pickle_arg, emit
 from amdllm.cli.common import model_dir as resolve_model_dir
 from amdllm.io import checkpoint
-from amdllm.files import atomic_write_text
+from amdllm.files import atomic_write_text, check_output_dir
 from amdllm.io.templates import TEMPLATE_FILE, use_chat_template
 from amdllm.io.tokenizer import load_tokenizer
 from amdllm.model import lora as lora_mod
 from amdllm.parallel.sharding import make_mesh
 from amdllm.train import data as data_mod
-from amdllm.train.loop import TrainConfig, finetune
+from amdllm.train.loop import TrainConfig, finetune, list_checkpoints
 
 
 def add_cli(sub) -> None:
@@ -56,6 +56,8 @@ def add_cli(sub) -> None:
     p.add_argument("--save-every", type=int, default=0)
     p.add_argument("--keep", type=int, default=2)
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into a non-empty --out (an earlier adapter); its checkpoints still need --resume")
     p.add_argument("--merge", action="store_true", help="also write OUT/merged/, a merged HF checkpoint")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -64,6 +66,9 @@ def add_cli(sub) -> None:
 
 def run(args) -> int:
     model_dir = resolve_model_dir(args.model)
+    # before anything is loaded: an earlier adapter or run in --out is replaced only when asked
+    check_output_dir(args.out, [model_dir, args.data, args.eval_data], overwrite=args.overwrite,
+                     allowed=args.resume and bool(list_checkpoints(args.out)))
     dtype = args.dtype
     if dtype == "auto":  # docs/cli.md: the measurements behind this choice
         stored = checkpoint.stored_dtype(Path(model_dir))

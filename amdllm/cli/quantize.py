@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from amdllm import course
 from amdllm.cli.common import add_pickle_arg, emit
 from amdllm.cli.common import model_dir as resolve_model_dir
-from amdllm.files import atomic_write_text
+from amdllm.files import atomic_write_text, check_output_dir
 from amdllm.io.checkpoint import load, stored_dtype
 from amdllm.io.gptq_format import quant_config_dict, save_quantized
 from amdllm.io.tokenizer import encode_fast
@@ -26,6 +26,7 @@ def run_quantize(args) -> dict:
         raise ValueError("--bits 3 runs in memory (amdllm.quant.quantize_model) but the packed format "
                          "supports 2, 4 and 8 bits only")
     model_dir = resolve_model_dir(args.model)
+    check_output_dir(args.out, [model_dir], overwrite=args.overwrite)
     t0 = time.perf_counter()
     # a bfloat16 checkpoint is held as bfloat16 (each layer is widened to float32 when it is quantized)
     model = load(model_dir, dtype=jnp.bfloat16 if stored_dtype(Path(model_dir)) == "bfloat16" else jnp.float32,
@@ -61,7 +62,8 @@ def add_cli(subparsers) -> None:
                               description="Quantize a Llama checkpoint to GPTQ format (HF/GPTQModel layout).")
     p.add_argument("--model", help="HF checkpoint dir (default: the embedded course model)")
     add_pickle_arg(p)
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--out", required=True, help="output directory (new or empty; never --model)")
+    p.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
     p.add_argument("--method", choices=("gptq", "rtn"), default="gptq")
     p.add_argument("--bits", type=int, default=4, help="2, 4 or 8 (default 4)")
     p.add_argument("--group-size", type=int, default=128, help="-1 (per channel), 16..1024 (default 128)")

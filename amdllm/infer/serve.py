@@ -254,7 +254,7 @@ def create_app(engine: Engine, cfg: ServerConfig):
             return StreamingResponse(sse(req, events, head, p, chat), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            text, ids = [], []
+            text = []
             while True:
                 kind, v = await events.get()
                 if kind == "delta":
