@@ -170,6 +170,8 @@ def test_each_bad_request_gets_its_4xx_and_the_server_keeps_serving(served):
            "messages")
     expect(lambda: c.completions.create(model="tiny-chat", prompt="the", stop=7), openai.BadRequestError, 400,
            "stop")
+    expect(lambda: c.completions.create(model="tiny-chat", prompt="the", max_tokens=4, extra_body={"stream": "false"}),
+           openai.BadRequestError, 400, "stream", "invalid_type")  # a string is not a boolean (it streamed)
     # bad JSON and a wrong route cannot be sent by the client library: raw HTTP
     for path, data, status in [("/v1/completions", b'{"prompt": "the", ', 400),
                                ("/v1/completions", b'["a list"]', 400), ("/v1/nothing", b"{}", 404)]:

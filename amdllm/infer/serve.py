@@ -49,6 +49,16 @@ def _number(body: dict, name: str, default, lo: float, hi: float, kind=float):
     return kind(v)
 
 
+def _flag(body: dict, name: str) -> bool:
+    """A boolean field: true, false or absent/null (a string such as "false" is refused, not truthy)."""
+    v = body.get(name)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise APIError(400, f"'{name}' must be a boolean, got {v!r}", name, "invalid_type")
+    return v
+
+
 def _stops(body: dict) -> list[str]:
     stop = body.get("stop")
     if stop is None:
@@ -95,10 +105,12 @@ class Parsed:
     """A validated request: token ids and sampling settings."""
 
     def __init__(self, body: dict, prompt_ids: list[int], cfg: ServerConfig, context: int, chat: bool):
-        self.stream = bool(body.get("stream", False))
+        self.stream = _flag(body, "stream")
         so = body.get("stream_options") or {}
-        self.include_usage = bool(isinstance(so, dict) and so.get("include_usage"))
-        self.return_ids = bool(body.get("return_token_ids", False))
+        if not isinstance(so, dict):
+            raise APIError(400, f"'stream_options' must be an object, got {so!r}", "stream_options", "invalid_type")
+        self.include_usage = _flag(so, "include_usage")
+        self.return_ids = _flag(body, "return_token_ids")
         P = len(prompt_ids)
         param = "messages" if chat else "prompt"
         if P == 0:
