@@ -110,6 +110,10 @@ def test_cli_errors_are_one_line(ckpt, tmp_path, capfd):
     rc = cli.main(["generate", "--model", str(tmp_path / "nowhere"), "--prompt", "hi"])
     out, err = capfd.readouterr()
     assert rc != 0 and "nowhere" in err
+    # serve checks its port before it loads anything (the model below does not exist)
+    rc = cli.main(["serve", "--model", str(tmp_path / "nowhere"), "--port", "99999"])
+    out, err = capfd.readouterr()
+    assert rc == 2 and err.strip() == "amdllm serve: error: --port 99999: expected 0 to 65535"
 
 
 def test_doctor_json(capfd):

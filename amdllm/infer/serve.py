@@ -379,6 +379,10 @@ def build(model=None, tokenizer=None, *, model_dir=None, adapter=None, dtype="fl
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (the command binds it before loading the model: a wrong --port or
+    one in use is reported at once, not after the load)."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port {port}: expected 0 to 65535")
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
