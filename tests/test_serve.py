@@ -173,8 +173,13 @@ def test_each_bad_request_gets_its_4xx_and_the_server_keeps_serving(served):
     expect(lambda: c.completions.create(model="tiny-chat", prompt="the", max_tokens=4, extra_body={"stream": "false"}),
            openai.BadRequestError, 400, "stream", "invalid_type")  # a string is not a boolean (it streamed)
     # bad JSON and a wrong route cannot be sent by the client library: raw HTTP
+    # over the characters any prompt of 64 tokens can have: refused before it is tokenized
+    chars = " ".join(["the cat sat on the mat."] * 2000)
+    expect(lambda: complete(c, chars, 4), openai.BadRequestError, 400, "prompt", "context_length_exceeded")
     for path, data, status in [("/v1/completions", b'{"prompt": "the", ', 400),
-                               ("/v1/completions", b'["a list"]', 400), ("/v1/nothing", b"{}", 404)]:
+                               ("/v1/completions", b'["a list"]', 400), ("/v1/nothing", b"{}", 404),
+                               ("/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400),  # nested too deep
+                               ("/v1/completions", b'{"prompt": "' + b"a" * (9 << 20) + b'"}', 413)]:
         r = httpx.post(url + path, content=data, headers={"content-type": "application/json"}, timeout=30)
         assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}
         assert complete(c, PROMPTS[0], 4).choices[0].model_extra["token_ids"] == good

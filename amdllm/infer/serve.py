@@ -11,6 +11,8 @@ Extension: `"return_token_ids": true` (OpenAI clients: `extra_body=`) adds the n
 # no `from __future__ import annotations`: FastAPI reads the handlers' annotations at runtime
 
 import asyncio
+import concurrent.futures
+import hmac
 import json
 import socket
 import threading
@@ -146,11 +148,29 @@ class Parsed:
         self.prompt_ids = prompt_ids
 
 
-def parse_completion(body: dict, tokenizer, cfg: ServerConfig, context: int) -> Parsed:
+MAX_BODY_BYTES = 8 << 20  # a 128k-token prompt is ~0.5 MB of text
+
+
+def max_prompt_chars(tokenizer, context: int) -> int:
+    """A bound on a prompt's characters above which it cannot fit `context` tokens: no token stands for
+    more characters than its longest vocabulary string (a byte-level or SentencePiece string has at least
+    one character per character it decodes to). Checked before tokenizing, which is the slow part."""
+    return context * max(len(t) for t in tokenizer.get_vocab())
+
+
+def _check_chars(n: int, limit: int, param: str) -> None:
+    if n > limit:
+        raise APIError(400, f"The prompt has {n:,} characters, more than any prompt of this model's context "
+                            f"can hold ({limit:,}). Shorten the prompt.", param, "context_length_exceeded")
+
+
+def parse_completion(body: dict, tokenizer, cfg: ServerConfig, context: int, char_limit: int | None = None
+                     ) -> Parsed:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
+        _check_chars(len(prompt), char_limit or max_prompt_chars(tokenizer, context), "prompt")
         ids = list(tokenizer(prompt)["input_ids"])  # exactly as `amdllm generate` tokenizes
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                      for t in prompt):
@@ -164,11 +184,12 @@ def parse_completion(body: dict, tokenizer, cfg: ServerConfig, context: int) -> 
     return Parsed(body, ids, cfg, context, chat=False)
 
 
-def parse_chat(body: dict, tokenizer, cfg: ServerConfig, context: int) -> Parsed:
+def parse_chat(body: dict, tokenizer, cfg: ServerConfig, context: int, char_limit: int | None = None) -> Parsed:
     try:
         text, stops = render_chat(tokenizer, _messages(body))
     except TemplateError as e:  # e.g. a template that demands alternating roles
         raise APIError(400, str(e), "messages", "invalid_value") from None
+    _check_chars(len(text), char_limit or max_prompt_chars(tokenizer, context), "messages")
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])  # the text holds BOS already
     p = Parsed(body, ids, cfg, context, chat=True)
     p.stop += [s for s in stops if s not in p.stop]
@@ -208,16 +229,27 @@ def create_app(engine: Engine, cfg: ServerConfig):
         if not auth:
             raise APIError(401, "You didn't provide an API key. Send it as 'Authorization: Bearer KEY'.",
                            None, "missing_api_key")
-        if auth != f"Bearer {cfg.api_key}":
+        if not hmac.compare_digest(auth.encode(), f"Bearer {cfg.api_key}".encode()):  # constant time
             raise APIError(401, "Incorrect API key provided.", None, "invalid_api_key")
 
     async def read_body(request: HTTPRequest) -> dict:
         check_key(request)
-        raw = await request.body()
+        too_big = APIError(413, f"The request body is larger than {MAX_BODY_BYTES:,} bytes", None,
+                           "request_too_large")
+        if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+            raise too_big
+        raw = bytearray()
+        async for chunk in request.stream():  # chunked bodies too: never more than the cap in memory
+            raw += chunk
+            if len(raw) > MAX_BODY_BYTES:
+                raise too_big
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(400, f"The request body is not valid JSON: {e}", None, "invalid_json") from None
+        except RecursionError:
+            raise APIError(400, "The request body is not valid JSON: nested too deeply", None,
+                           "invalid_json") from None
         if not isinstance(body, dict):
             raise APIError(400, "The request body must be a JSON object", None, "invalid_json")
         model = body.get("model", cfg.model_name)
@@ -243,15 +275,24 @@ def create_app(engine: Engine, cfg: ServerConfig):
         return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": 0,
                                             "owned_by": "amdllm"}]}
 
+    # templating and tokenizing run on one worker thread, off the event loop: a long prompt never holds
+    # up other clients (they were frozen 26 s by one 10 MB prompt)
+    parser = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="amdllm-tokenize")
+    char_limit = max_prompt_chars(engine.tokenizer, engine.S)
+
+    async def parse(fn, body):
+        return await asyncio.get_running_loop().run_in_executor(
+            parser, lambda: fn(body, engine.tokenizer, cfg, engine.S, char_limit))
+
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest):
         body = await read_body(request)
-        return await run(request, parse_completion(body, engine.tokenizer, cfg, engine.S), chat=False)
+        return await run(request, await parse(parse_completion, body), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: HTTPRequest):
         body = await read_body(request)
-        return await run(request, parse_chat(body, engine.tokenizer, cfg, engine.S), chat=True)
+        return await run(request, await parse(parse_chat, body), chat=True)
 
     async def run(request: HTTPRequest, p: Parsed, chat: bool):
         loop = asyncio.get_running_loop()
