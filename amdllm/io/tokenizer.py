@@ -49,7 +49,7 @@ def load_tokenizer(path: str | os.PathLike):
             from transformers import PreTrainedTokenizerFast  # what AutoTokenizer picks for this config
             tok = PreTrainedTokenizerFast.from_pretrained(str(p), local_files_only=True)
         else:
-            from transformers import AutoTokenizer
+            from transformers import AutoTokenizer  # imports PyTorch: only where a specific class is named
             tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
     except Exception as e:  # transformers raises many types; one line naming the file is what helps
         msg = str(e).splitlines()[0] if str(e) else ""
