@@ -53,20 +53,20 @@ class OutputError(ValueError):
     """An output path that would overwrite an input or an earlier result; the message names the flag."""
 
 
-def check_output_dir(out: str | os.PathLike, inputs=(), *, overwrite: bool = False, flag: str = "--out",
-                     allowed: bool = False) -> Path:
+def check_output_dir(out: str | os.PathLike, inputs=(), *, command: str, overwrite: bool = False,
+                     flag: str = "--out", allowed: bool = False) -> Path:
     """Refuse to write into `out` when it is one of `inputs` (always), or when it exists and is not an
     empty directory, unless `overwrite` (or `allowed`: the caller continues what is there, e.g. a resume).
     Called before anything is loaded, so a wrong path costs nothing."""
     out = Path(out)
     for src in inputs:
         if src is not None and Path(src).exists() and out.resolve() == Path(src).resolve():
-            raise OutputError(f"{flag} {out}: is an input ({src}); choose another directory, an input is "
-                              "never written over")
+            raise OutputError(f"{flag} {out}: is an input directory ({src}); {command} never writes over its "
+                              "input")
     if out.exists() and not out.is_dir():
         raise OutputError(f"{flag} {out}: exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not (overwrite or allowed):
-        raise OutputError(f"{flag} {out}: exists and is not empty ({', '.join(sorted(p.name for p in out.iterdir())[:4])}"
-                          f"{', ...' if len(list(out.iterdir())) > 4 else ''}); pass --overwrite to replace "
-                          "what it holds")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held and not (overwrite or allowed):
+        raise OutputError(f"{flag} {out}: exists and is not empty ({', '.join(held[:4])}"
+                          f"{', ...' if len(held) > 4 else ''}); pass --overwrite to replace what it holds")
     return out

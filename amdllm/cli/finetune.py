@@ -67,7 +67,7 @@ def add_cli(sub) -> None:
 def run(args) -> int:
     model_dir = resolve_model_dir(args.model)
     # before anything is loaded: an earlier adapter or run in --out is replaced only when asked
-    check_output_dir(args.out, [model_dir, args.data, args.eval_data], overwrite=args.overwrite,
+    check_output_dir(args.out, [model_dir, args.data, args.eval_data], command="finetune", overwrite=args.overwrite,
                      allowed=args.resume and bool(list_checkpoints(args.out)))
     dtype = args.dtype
     if dtype == "auto":  # docs/cli.md: the measurements behind this choice

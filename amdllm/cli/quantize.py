@@ -26,7 +26,7 @@ def run_quantize(args) -> dict:
         raise ValueError("--bits 3 runs in memory (amdllm.quant.quantize_model) but the packed format "
                          "supports 2, 4 and 8 bits only")
     model_dir = resolve_model_dir(args.model)
-    check_output_dir(args.out, [model_dir], overwrite=args.overwrite)
+    check_output_dir(args.out, [model_dir], command="quantize", overwrite=args.overwrite)
     t0 = time.perf_counter()
     # a bfloat16 checkpoint is held as bfloat16 (each layer is widened to float32 when it is quantized)
     model = load(model_dir, dtype=jnp.bfloat16 if stored_dtype(Path(model_dir)) == "bfloat16" else jnp.float32,

@@ -131,6 +131,11 @@ def _roll_slots(c, m):
     return tuple(jnp.roll(x, m, axis=2) for x in c) if isinstance(c, tuple) else jnp.roll(c, m, axis=3)
 
 
+def _pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): the buckets that bound how often a step compiles."""
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
 def _pad_slots(c, n):
     """n more (zero) slots at the end of every row."""
     pad = lambda x, axis: jnp.pad(x, [(0, n if a == axis else 0) for a in range(x.ndim)])  # noqa: E731
@@ -203,8 +208,9 @@ class Engine:
             return sample(logits, keys, k, temp, top_p), cache
 
         def move(cache, src, dst):  # row src's slots into row dst
+            valid = jax.lax.dynamic_slice_in_dim(cache.valid, src, 1)
             return KVCache(_put_row(cache.k, _row_of(cache.k, src), dst), _put_row(cache.v, _row_of(cache.v, src), dst),
-                           jax.lax.dynamic_update_slice(cache.valid, jax.lax.dynamic_slice_in_dim(cache.valid, src, 1), (dst, 0)))
+                           jax.lax.dynamic_update_slice(cache.valid, valid, (dst, 0)))
 
         def shift(cache, m):  # move every row's slots m to the left; wrapped-in slots are invalid
             S = cache.valid.shape[1]
@@ -223,7 +229,7 @@ class Engine:
 
     def _slots(self, n: int) -> int:
         """The cache length for n slots: a power of two, at least MIN_CACHE_SLOTS, at most max_len."""
-        return min(self.S, max(MIN_CACHE_SLOTS, 1 << (max(n, 1) - 1).bit_length()))
+        return min(self.S, max(MIN_CACHE_SLOTS, _pow2(n)))
 
     def _new_cache(self, slots: int) -> KVCache:
         return init_cache(self.cfg, self.B, slots, self.dtype, per_layer=self.views is not None)
@@ -298,7 +304,7 @@ class Engine:
 
     def _place(self, req: Request) -> bool:
         P = len(req.prompt_ids)
-        Pb = max(P, min(max(MIN_PREFILL_BUCKET, 1 << (P - 1).bit_length()), self.S - req.max_tokens))
+        Pb = max(P, min(max(MIN_PREFILL_BUCKET, _pow2(P)), self.S - req.max_tokens))
         active = [r for r in self.rows if r is not None]
         if not active:
             self.c = 0
@@ -355,7 +361,7 @@ class Engine:
     def _decode(self):
         self._compact()
         n = sum(r is not None for r in self.rows)
-        nb = min(self.B, 1 << (n - 1).bit_length())  # the rows this step runs
+        nb = min(self.B, _pow2(n))  # the rows this step runs
         tok, pos, act, k = (np.full(nb, self.pad, np.int32), np.zeros(nb, np.int32), np.zeros(nb, bool),
                             np.zeros(nb, np.int32))
         keys, temp, top_p = np.zeros((nb, 2), np.uint32), np.zeros(nb, np.float32), np.ones(nb, np.float32)

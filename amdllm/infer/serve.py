@@ -164,13 +164,12 @@ def _check_chars(n: int, limit: int, param: str) -> None:
                             f"can hold ({limit:,}). Shorten the prompt.", param, "context_length_exceeded")
 
 
-def parse_completion(body: dict, tokenizer, cfg: ServerConfig, context: int, char_limit: int | None = None
-                     ) -> Parsed:
+def parse_completion(body: dict, tokenizer, cfg: ServerConfig, context: int, char_limit: int) -> Parsed:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        _check_chars(len(prompt), char_limit or max_prompt_chars(tokenizer, context), "prompt")
+        _check_chars(len(prompt), char_limit, "prompt")
         ids = list(tokenizer(prompt)["input_ids"])  # exactly as `amdllm generate` tokenizes
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                      for t in prompt):
@@ -184,12 +183,12 @@ def parse_completion(body: dict, tokenizer, cfg: ServerConfig, context: int, cha
     return Parsed(body, ids, cfg, context, chat=False)
 
 
-def parse_chat(body: dict, tokenizer, cfg: ServerConfig, context: int, char_limit: int | None = None) -> Parsed:
+def parse_chat(body: dict, tokenizer, cfg: ServerConfig, context: int, char_limit: int) -> Parsed:
     try:
         text, stops = render_chat(tokenizer, _messages(body))
     except TemplateError as e:  # e.g. a template that demands alternating roles
         raise APIError(400, str(e), "messages", "invalid_value") from None
-    _check_chars(len(text), char_limit or max_prompt_chars(tokenizer, context), "messages")
+    _check_chars(len(text), char_limit, "messages")
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])  # the text holds BOS already
     p = Parsed(body, ids, cfg, context, chat=True)
     p.stop += [s for s in stops if s not in p.stop]

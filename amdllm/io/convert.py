@@ -23,7 +23,7 @@ import ml_dtypes
 import numpy as np
 
 from amdllm.config import LlamaConfig
-from amdllm.files import atomic_write_text
+from amdllm.files import atomic_write_text, check_output_dir
 from amdllm.io.checkpoint import is_quantized, read_config, validate
 from amdllm.io.names import TOKENIZER_FILES
 from amdllm.io.safetensors import CheckpointError, TensorSource, write_sharded
@@ -83,11 +83,7 @@ def convert(src, out, *, dtype: str | None = None, allow_pickle: bool = False, d
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
     raw, cfg = dense_config(src, "--model")
-    inputs = [src] + ([Path(delta_base)] if delta_base is not None else [])
-    if any(out.resolve() == p.resolve() for p in inputs):
-        raise CheckpointError(f"--out {out}: is an input directory; convert never writes over its input")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise CheckpointError(f"--out {out}: exists and is not empty; pass --overwrite to replace it")
+    check_output_dir(out, [src, delta_base], command="convert", overwrite=overwrite)
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
     source = TensorSource(src, allow_pickle=allow_pickle)
