@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,10 +50,15 @@ class LlamaConfig:
     extra: dict = field(default_factory=dict, compare=False, repr=False)  # unknown keys kept for round trips
 
     def __post_init__(self):
+        for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            v = getattr(self, k)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ConfigError(f"{k} must be a positive integer, got {v!r}")
         if self.num_key_value_heads is None:
             object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
         if self.head_dim is None:
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+            object.__setattr__(self, "head_dim", max(1, self.hidden_size // self.num_attention_heads))
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -104,6 +110,8 @@ class LlamaConfig:
     # ---- HF config.json ----
     @classmethod
     def from_dict(cls, d: dict, source: str = "config") -> "LlamaConfig":
+        if not isinstance(d, dict):
+            raise ConfigError(f"{source}: expected a JSON object of settings, got a {type(d).__name__}")
         mt = d.get("model_type")
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(f"{source}: model_type {mt!r} is not supported; amdllm loads {SUPPORTED_MODEL_TYPES}")
@@ -121,29 +129,29 @@ class LlamaConfig:
             raise ConfigError(f"{source}: pretraining_tp={d['pretraining_tp']} is not supported; use 1")
         rp = d.get("rope_parameters")
         if isinstance(rp, dict):
-            theta = float(rp.get("rope_theta", d.get("rope_theta", 10000.0)))
+            theta = rp.get("rope_theta", d.get("rope_theta", 10000.0))
             scaling = rp if rp.get("rope_type", "default") != "default" else None
         else:
-            theta = float(d.get("rope_theta", 10000.0))
+            theta = d.get("rope_theta", 10000.0)
             scaling = d.get("rope_scaling")
+        if scaling is not None and not isinstance(scaling, dict):
+            raise ConfigError(f"{source}: rope_scaling must be an object or null, got {scaling!r}")
         required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
         missing = [k for k in required if k not in d]
         if missing:
             raise ConfigError(f"{source}: missing required keys {missing}")
         known = {f.name for f in dataclasses.fields(cls)}
         extra = {k: v for k, v in d.items() if k not in known and k not in ("rope_parameters", "rope_scaling")}
-        try:
-            return cls(
-                vocab_size=int(d["vocab_size"]), hidden_size=int(d["hidden_size"]),
-                intermediate_size=int(d["intermediate_size"]), num_hidden_layers=int(d["num_hidden_layers"]),
-                num_attention_heads=int(d["num_attention_heads"]),
-                num_key_value_heads=d.get("num_key_value_heads"), head_dim=d.get("head_dim"),
-                rope_theta=theta, rope_scaling=scaling, rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"),
-                pad_token_id=d.get("pad_token_id"),
-                max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-                torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"), extra=extra)
+        kw = {k: _count(d, k, source) for k in required}  # each check names the file itself
+        for k in ("num_key_value_heads", "head_dim"):
+            kw[k] = None if d.get(k) is None else _count(d, k, source)
+        kw.update({k: _token_id(d, k, source) for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
+        kw.update(rope_theta=_positive(theta, "rope_theta", source),
+                  rms_norm_eps=_positive(d.get("rms_norm_eps", 1e-6), "rms_norm_eps", source),
+                  max_position_embeddings=_count(d, "max_position_embeddings", source, 2048))
+        try:  # __post_init__'s checks (heads, RoPE) do not know the file: named here
+            return cls(**kw, rope_scaling=scaling, tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                       torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"), extra=extra)
         except ConfigError as e:
             raise ConfigError(f"{source}: {e}") from None
 
@@ -208,6 +216,31 @@ PRESETS: dict[str, LlamaConfig] = {
     "vicuna-13b": LlamaConfig(32000, 5120, 13824, 40, 40, 40, 128, 10000.0, None, 1e-6, False,
                               1, 2, 0, 2048, "float16"),
 }
+
+
+def _count(d: dict, key: str, source: str, default: int | None = None) -> int:
+    """d[key] as a positive integer (JSON's true/false and "4096" are not); the error names the field."""
+    v = d.get(key, default)
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ConfigError(f"{source}: {key} must be a positive integer, got {v!r}")
+    return v
+
+
+def _positive(v, key: str, source: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ConfigError(f"{source}: {key} must be a positive number, got {v!r}")
+    return float(v)
+
+
+def _token_id(d: dict, key: str, source: str):
+    """bos/eos/pad ids: null, a non-negative integer, or (eos) a list of them."""
+    v = d.get(key)
+    ids = v if isinstance(v, list) else [v]
+    if v is not None and not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ConfigError(f"{source}: {key} must be a non-negative integer (or a list of them), got {v!r}")
+    return v
 
 
 def get_preset(name: str) -> LlamaConfig:

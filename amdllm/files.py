@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -19,10 +20,62 @@ def atomic_path(path: str | os.PathLike):
     try:
         yield Path(tmp)
         os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        if e.filename is None:  # a failed write() names no file (disk full, file too large): name ours
+            raise OSError(e.errno, f"{e.strerror or e} while writing", str(path)) from None
+        raise
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+@contextlib.contextmanager
+def staged_dir(out: str | os.PathLike):
+    """Yield an empty staging directory beside `out`; on success it takes `out`'s place whole (an earlier
+    `out` is removed only then), on failure it is removed and `out` is untouched. A failed write names
+    the file as it would have been in `out`. Staging left by a killed process is removed first."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for left in [*out.parent.glob(f".{out.name}.tmp-*"), *out.parent.glob(f".{out.name}.old-*")]:
+        pid = left.name.rsplit("-", 1)[1]
+        if not (pid.isdigit() and pid_alive(int(pid))):
+            shutil.rmtree(left, ignore_errors=True)
+    staging = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        yield staging
+    except OSError as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        if e.filename and Path(e.filename).is_relative_to(staging):
+            raise OSError(e.errno, e.strerror, str(out / Path(e.filename).relative_to(staging))) from None
+        raise
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+    os.replace(staging, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists (ours counts): staging of a live process is not a leftover."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _umask() -> int:
@@ -41,10 +94,20 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         tmp.write_bytes(data)
 
 
-def read_json(path: str | os.PathLike, error: type[Exception] = ValueError):
-    """Parse a JSON file; invalid JSON raises `error` with a message naming the file."""
+def read_text(path: str | os.PathLike, error: type[Exception] = ValueError) -> str:
+    """A UTF-8 text file; a byte that is not UTF-8 raises `error` naming the file, line and byte."""
+    data = Path(path).read_bytes()
     try:
-        return json.loads(Path(path).read_text())
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise error(f"{path}:{line}: byte 0x{data[e.start]:02x} is not UTF-8 (expected UTF-8 text)") from None
+
+
+def read_json(path: str | os.PathLike, error: type[Exception] = ValueError):
+    """Parse a JSON file; invalid JSON (or UTF-8) raises `error` with a message naming the file."""
+    try:
+        return json.loads(read_text(path, error))
     except json.JSONDecodeError as e:
         raise error(f"{path}: not valid JSON ({e})") from None
 

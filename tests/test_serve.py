@@ -188,7 +188,8 @@ def test_each_bad_request_gets_its_4xx_and_the_server_keeps_serving(served):
 def test_api_key_when_set(served):
     from fastapi.testclient import TestClient
 
-    from amdllm.infer.serve import ServerConfig, create_app
+    from amdllm.infer.api import ServerConfig
+    from amdllm.infer.serve import create_app
     app = create_app(served["h"].engine, ServerConfig("tiny-chat", api_key="sekret", max_tokens_cap=CAP))
     with TestClient(app) as tc:
         body = {"model": "tiny-chat", "prompt": "the cat", "max_tokens": 3, "temperature": 0}

@@ -152,7 +152,7 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     shutil.copy(tmp_path / "a" / "metrics.jsonl", tmp_path / "b" / "metrics.jsonl")
     with pytest.raises(train.TrainingError, match="holds checkpoints of an earlier run"):
         train.finetune(tiny_model(rank=2), ds, tmp_path / "b", tc, progress=False)
-    with pytest.raises(train.TrainingError, match=r"different settings.*'lr': \(0.01, 0.02\)"):
+    with pytest.raises(train.TrainingError, match=r"different lr.*'lr': \(0.01, 0.02\)"):
         train.finetune(tiny_model(rank=2), ds, tmp_path / "b", train.TrainConfig(**{**tc.__dict__, "lr": 2e-2}),
                        resume=True, progress=False)
     resumed = train.finetune(tiny_model(rank=2, lora_seed=7), ds, tmp_path / "b", tc, resume=True, progress=False)

@@ -9,14 +9,24 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import warnings
 
 SUBCOMMANDS = ("doctor", "eval", "generate", "finetune", "plan", "quantize", "serve", "convert")
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line error: the flag at fault and what was expected (argparse prints the whole
+    usage block first; `--help` still shows it)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="amdllm", description="Fine-tune and quantize Llama models with JAX.")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = Parser(prog="amdllm", description="Fine-tune and quantize Llama models with JAX.")
+    sub = p.add_subparsers(dest="command", required=True)  # subcommand parsers are Parsers too
     for name in SUBCOMMANDS:  # imported by name: `eval` is a builtin, so its module is `evaluate`
         importlib.import_module(f"amdllm.cli.{'evaluate' if name == 'eval' else name}").add_cli(sub)
     return p
@@ -24,8 +34,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    prefix = f"amdllm {args.command}"
+    warnings.formatwarning = lambda message, *_, **__: f"{prefix}: warning: {message}\n"
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, KeyError) as e:  # our errors: one clear line, no traceback
-        print(f"amdllm {args.command}: error: {e}", file=sys.stderr)
+        print(f"{prefix}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the system's: permission, disk full, a directory where a file was expected
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"{prefix}: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prefix}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # a bug of ours: still one line, with the way to see the rest
+        if os.environ.get("AMDLLM_TRACEBACK"):
+            raise
+        print(f"{prefix}: internal error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
+              "(AMDLLM_TRACEBACK=1 shows where; please report it)", file=sys.stderr)
+        return 1

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -11,9 +12,14 @@ from amdllm.infer.generate import DTYPES
 
 
 def emit(obj: dict, as_json: bool, human: str | None = None) -> None:
-    """Print a result: one JSON object (with --json) or a human-readable text."""
+    """Print a result: one JSON object (with --json) or a human-readable text. A NaN or infinity is not
+    JSON: such a result is an error (it names the field), never printed."""
+    bad = [k for k, v in obj.items() if isinstance(v, float) and not math.isfinite(v)]
+    if bad:
+        raise ValueError(f"the result's {', '.join(bad)} is {obj[bad[0]]} (not finite): the weights or the "
+                         "adapter hold NaN or infinite values, or the computation overflowed")
     if as_json:
-        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.write(json.dumps(obj, allow_nan=False) + "\n")
     else:
         print(human if human is not None else json.dumps(obj, indent=2))
 
@@ -36,3 +42,32 @@ def add_model_args(p: argparse.ArgumentParser, dtype: bool = True) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     if dtype:
         p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+
+
+def count(minimum: int = 1):
+    """argparse type: an integer >= minimum (so --batch-size 0 is refused by name, before any work)."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {v}")
+        return v
+    return parse
+
+
+def number(minimum: float | None = None, maximum: float | None = None, *, above: bool = False):
+    """argparse type: a finite float in [minimum, maximum] ((minimum, maximum] with above=True)."""
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        low_ok = minimum is None or (v > minimum if above else v >= minimum)
+        if not math.isfinite(v) or not low_ok or (maximum is not None and v > maximum):
+            bounds = ([] if minimum is None else [f"{'>' if above else '>='} {minimum:g}"]) + \
+                     ([] if maximum is None else [f"<= {maximum:g}"])
+            raise argparse.ArgumentTypeError(f"expected a finite number {' and '.join(bounds)}, got {text}")
+        return v
+    return parse

@@ -4,8 +4,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from amdllm.cli.common import add_model_args, emit, model_dir
+from amdllm.cli.common import add_model_args, count, emit, model_dir
+from amdllm.config import LlamaConfig
 from amdllm.course import heldout_text_path
+from amdllm.files import read_text
 from amdllm.infer.evaluate import perplexity
 from amdllm.infer.generate import load_weights
 from amdllm.io.tokenizer import encode_fast
@@ -15,8 +17,9 @@ def add_cli(sub) -> None:
     p = sub.add_parser("eval", help="perplexity of a text (protocol: docs/cli.md)")
     add_model_args(p)
     p.add_argument("--text", default=None, help="UTF-8 text file (default: the held-out course text)")
-    p.add_argument("--seq-len", type=int, default=256, help="window length in tokens")
-    p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
+    p.add_argument("--seq-len", type=count(2), default=None,
+                   help="window length in tokens (default 256, or the model's context if shorter)")
+    p.add_argument("--batch-size", type=count(), default=8, help="windows per forward pass")
     p.set_defaults(func=run)
 
 
@@ -32,8 +35,14 @@ def run(args) -> int:
         what = str(text_path)
     if not text_path.is_file():
         raise FileNotFoundError(f"--text {text_path}: no such file")
-    text = text_path.read_text(encoding="utf-8")
+    text = read_text(text_path)
     path = model_dir(args.model)
+    context = LlamaConfig.from_json(path).max_position_embeddings  # before the text is tokenized
+    if args.seq_len is None:
+        args.seq_len = min(256, context)
+    elif args.seq_len > context:
+        raise ValueError(f"--seq-len {args.seq_len} is beyond {path}'s context (max_position_embeddings="
+                         f"{context})")
     # tokenized first (a broken tokenizer fails before the weights load), by `tokenizers` itself where the
     # checkpoint has a tokenizer.json: the same ids as transformers, without its import (and torch's)
     ids = encode_fast(path, text)

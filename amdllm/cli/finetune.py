@@ -7,14 +7,14 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from amdllm.cli.common import add_pickle_arg, emit
+from amdllm.cli.common import add_pickle_arg, count, emit, number
 from amdllm.cli.common import model_dir as resolve_model_dir
 from amdllm.io import checkpoint
 from amdllm.files import atomic_write_text, check_output_dir
 from amdllm.io.templates import TEMPLATE_FILE, use_chat_template
 from amdllm.io.tokenizer import load_tokenizer
 from amdllm.model import lora as lora_mod
-from amdllm.parallel.sharding import make_mesh
+from amdllm.parallel.sharding import DEFAULT_RULES, RULES, make_mesh
 from amdllm.train import data as data_mod
 from amdllm.train.loop import TrainConfig, finetune, list_checkpoints
 
@@ -28,33 +28,34 @@ def add_cli(sub) -> None:
     p.add_argument("--data", required=True, help="JSONL: Alpaca, chat (messages) or plain (text) rows")
     p.add_argument("--eval-data", default=None, help="held-out JSONL (loss, and exact match for Alpaca rows)")
     p.add_argument("--out", required=True, help="output directory (adapter, metrics.jsonl, checkpoints/)")
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--rank", type=int, default=8)
-    p.add_argument("--alpha", type=float, default=16)
-    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--steps", type=count(), default=100)
+    p.add_argument("--rank", type=count(), default=8)
+    p.add_argument("--alpha", type=number(0, above=True), default=16)
+    p.add_argument("--dropout", type=number(0, 0.99), default=0.0)
     p.add_argument("--targets", default="q,k,v,o,gate,up,down")
-    p.add_argument("--lr", type=float, default=2e-4)
-    p.add_argument("--warmup", type=int, default=None)
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--clip", type=float, default=1.0)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--lr", type=number(0), default=2e-4)
+    p.add_argument("--warmup", type=count(0), default=None)
+    p.add_argument("--weight-decay", type=number(0), default=0.0)
+    p.add_argument("--clip", type=number(0), default=1.0)
+    p.add_argument("--batch-size", type=count(), default=8)
+    p.add_argument("--grad-accum", type=count(), default=1)
+    p.add_argument("--seq-len", type=count(2), default=256)
     p.add_argument("--no-pack", action="store_true", help="one example per row (padding) instead of packing")
     p.add_argument("--too-long", choices=data_mod.TOO_LONG, default="split",
                    help="an example longer than --seq-len: split into windows (each token still trained once), "
                         "truncate, or drop; the run's data stats count each and the tokens lost")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=count(0), default=0)
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="frozen base weights and compute (auto: bfloat16 on accelerators; on a CPU the checkpoint's "
                         "own bfloat16 or float32); LoRA and AdamW stay float32")
     p.add_argument("--mesh", default=None, help="mesh spec, e.g. fsdp=8 (default: all devices on fsdp when >1)")
-    p.add_argument("--rules", default=None, help="sharding rules preset (amdllm.parallel.sharding)")
+    p.add_argument("--rules", default=None, choices=sorted(RULES),
+                   help=f"sharding rules preset (amdllm.parallel.sharding; default {DEFAULT_RULES})")
     p.add_argument("--remat", action="store_true", help="recompute each layer in the backward (less memory)")
-    p.add_argument("--log-every", type=int, default=1)
-    p.add_argument("--eval-every", type=int, default=0)
-    p.add_argument("--save-every", type=int, default=0)
-    p.add_argument("--keep", type=int, default=2)
+    p.add_argument("--log-every", type=count(), default=1)
+    p.add_argument("--eval-every", type=count(0), default=0)
+    p.add_argument("--save-every", type=count(0), default=0)
+    p.add_argument("--keep", type=count(), default=2)
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
     p.add_argument("--overwrite", action="store_true",
                    help="write into a non-empty --out (an earlier adapter); its checkpoints still need --resume")
@@ -75,8 +76,7 @@ def run(args) -> int:
         dtype = "bfloat16" if jax.default_backend() != "cpu" or stored == "bfloat16" else "float32"
     # the frozen base in the dtype asked for (bf16 on accelerators: half the memory); LoRA factors and
     # optimizer state are float32 whatever it is (amdllm.model.lora)
-    model = checkpoint.load(model_dir, dtype=jnp.dtype(dtype), remat=args.remat,
-                            allow_pickle=args.allow_pickle)
+    # the data is read and tokenized before the weights load: a bad row costs seconds, not a model load
     tok = use_chat_template(load_tokenizer(model_dir), args.chat_template)
     ds = data_mod.load_dataset(args.data, tok, args.seq_len, pack=not args.no_pack, too_long=args.too_long)
     eval_ds = rows = None
@@ -84,6 +84,8 @@ def run(args) -> int:
         eval_ds = data_mod.load_dataset(args.eval_data, tok, args.seq_len, pack=not args.no_pack,
                                         too_long=args.too_long)
         rows = eval_ds.rows
+    model = checkpoint.load(model_dir, dtype=jnp.dtype(dtype), remat=args.remat,
+                            allow_pickle=args.allow_pickle)
     lora_mod.apply_lora(model, rank=args.rank, alpha=args.alpha, dropout=args.dropout, targets=args.targets,
                         seed=args.seed)
     mesh = None
@@ -103,7 +105,8 @@ def run(args) -> int:
         merged = lora_mod.merge_lora(model)
         res["merged_dir"] = str(checkpoint.save(merged, Path(args.out) / "merged", tokenizer_from=model_dir))
     res.pop("losses")
-    human = (f"trained {res['steps']} steps: loss {res['final_loss']:.4f}, "
+    loss = "n/a (resumed at the end)" if res["final_loss"] is None else f"{res['final_loss']:.4f}"
+    human = (f"trained {res['steps']} steps: loss {loss}, "
              f"{res['tokens_per_second']:,.0f} tokens/s, MFU {100 * res['mfu']:.1f}%; adapter in {args.out}")
     if res.get("eval"):
         human += "\n" + json.dumps(res["eval"])

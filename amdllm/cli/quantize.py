@@ -8,9 +8,9 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from amdllm import course
-from amdllm.cli.common import add_pickle_arg, emit
+from amdllm.cli.common import add_pickle_arg, count, emit, number
 from amdllm.cli.common import model_dir as resolve_model_dir
-from amdllm.files import atomic_write_text, check_output_dir
+from amdllm.files import atomic_write_text, check_output_dir, read_text, staged_dir
 from amdllm.io.checkpoint import load, stored_dtype
 from amdllm.io.gptq_format import quant_config_dict, save_quantized
 from amdllm.io.tokenizer import encode_fast
@@ -27,6 +27,13 @@ def run_quantize(args) -> dict:
                          "supports 2, 4 and 8 bits only")
     model_dir = resolve_model_dir(args.model)
     check_output_dir(args.out, [model_dir], command="quantize", overwrite=args.overwrite)
+    windows = None
+    if args.method == "gptq":  # the calibration text is read and cut before the weights load
+        calib = Path(args.calib) if args.calib else course.data_dir() / "corpus_train.txt"
+        if not calib.is_file():
+            raise FileNotFoundError(f"--calib {calib}: file not found")
+        windows = calibration_windows(encode_fast(model_dir, read_text(calib)), args.samples, args.seq_len,
+                                      args.seed)
     t0 = time.perf_counter()
     # a bfloat16 checkpoint is held as bfloat16 (each layer is widened to float32 when it is quantized)
     model = load(model_dir, dtype=jnp.bfloat16 if stored_dtype(Path(model_dir)) == "bfloat16" else jnp.float32,
@@ -36,20 +43,14 @@ def run_quantize(args) -> dict:
         raise ValueError(f"--group-size {spec.group_size} does not divide the in_features "
                          f"{in_features(model.cfg)} of {model_dir}'s projections; pass --group-size {fitted}"
                          + (" (one group per output row)" if fitted == -1 else " (the largest that fits)"))
-    windows = None
-    if args.method == "gptq":
-        calib = Path(args.calib) if args.calib else course.data_dir() / "corpus_train.txt"
-        if not calib.is_file():
-            raise FileNotFoundError(f"--calib {calib}: file not found")
-        windows = calibration_windows(encode_fast(model_dir, calib.read_text()), args.samples, args.seq_len,
-                                      args.seed)
     model, rows = quantize_model(model, windows, spec, method=args.method, progress=not args.json)
     qc = quant_config_dict(spec.bits, spec.group_size, spec.sym, spec.act_order,
                            static_groups=spec.static_groups, damp_percent=spec.percdamp,
                            true_sequential=spec.true_sequential)
-    save_quantized(model, args.out, qc, tokenizer_from=model_dir)
-    if rows:
-        atomic_write_text(Path(args.out) / "gptq_report.json", json.dumps(rows, indent=1))
+    with staged_dir(args.out) as staging:  # appears whole; an earlier result (--overwrite) goes only then
+        save_quantized(model, staging, qc, tokenizer_from=model_dir)
+        if rows:
+            atomic_write_text(staging / "gptq_report.json", json.dumps(rows, indent=1))
     return {"out": str(args.out), "method": args.method, "bits": spec.bits, "group_size": spec.group_size,
             "sym": spec.sym, "act_order": spec.act_order, "format": qc["checkpoint_format"],
             "seconds": round(time.perf_counter() - t0, 3), "model_bytes": model_bytes(model),
@@ -72,12 +73,12 @@ def add_cli(subparsers) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--sym", dest="sym", action="store_true", default=True, help="symmetric grid (default)")
     g.add_argument("--asym", dest="sym", action="store_false", help="asymmetric grid (saved as gptq_v2)")
-    p.add_argument("--damp", type=float, default=0.01, help="percdamp (default 0.01, raised if needed)")
+    p.add_argument("--damp", type=number(0, 1, above=True), default=0.01, help="percdamp (default 0.01, raised if needed)")
     p.add_argument("--no-true-sequential", action="store_true")
     p.add_argument("--calib", help="calibration text file (default: the course corpus)")
-    p.add_argument("--samples", type=int, default=128)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--samples", type=count(), default=128)
+    p.add_argument("--seq-len", type=count(2), default=256)
+    p.add_argument("--seed", type=count(0), default=0)
     p.add_argument("--json", action="store_true")
 
     def handler(args):

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import sys
 
-from amdllm.cli.common import add_pickle_arg, model_dir
-from amdllm.infer.serve import build, listen_socket, socket_url
+from amdllm.cli.common import add_pickle_arg, count, model_dir, number
+from amdllm.infer.http import listen_socket, server_config, socket_url
+from amdllm.infer.serve import build
 
 
 def add_cli(sub) -> None:
@@ -15,14 +16,20 @@ def add_cli(sub) -> None:
     p.add_argument("--chat-template", default=None, help="llama3, llama2, vicuna or a Jinja file (default: "
                    "the adapter's chat_template.jinja, else the tokenizer's own, else a built-in format)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
-    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (cache rows)")
-    p.add_argument("--max-tokens-cap", type=int, default=512, help="largest max_tokens a request may ask for")
-    p.add_argument("--max-context", type=int, default=None,
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and "
+                   "/openapi.json (/health and the chat page / stay open: they show no data)")
+    p.add_argument("--max-batch", type=count(), default=8, help="requests decoded together (cache rows)")
+    p.add_argument("--max-tokens-cap", type=count(), default=512, help="largest max_tokens a request may ask for")
+    p.add_argument("--max-context", type=count(2), default=None,
                    help="cache length per request (default: the model's context, at most 4096)")
     p.add_argument("--model-name", default=None, help="the id in /v1/models (default: the directory name)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--request-timeout", type=number(0, above=True), default=None,
+                   help="seconds a client has to send a whole request, from its first byte (default 30); "
+                        "a connection that sends nothing or trickles is closed")
+    p.add_argument("--max-connections", type=count(), default=None,
+                   help="open connections at most (default 512); more are closed at once")
     p.set_defaults(func=run)
 
 
@@ -42,7 +49,9 @@ def run(args) -> int:
     print(f"amdllm serve: '{name}' on {socket_url(sock)} (chat page at /, OpenAI API at /v1, "
           f"batch {engine.B}, context {engine.S}); Ctrl-C stops", file=sys.stderr)
     try:
-        uvicorn.Server(uvicorn.Config(app, log_level="info", lifespan="off")).run(sockets=[sock])
+        limits = {k: v for k, v in (("request_timeout", args.request_timeout),
+                                    ("max_connections", args.max_connections)) if v is not None}
+        uvicorn.Server(server_config(app, **limits)).run(sockets=[sock])
     finally:
         engine.stop()
     return 0

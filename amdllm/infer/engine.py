@@ -169,7 +169,7 @@ class Engine:
         self.inbox: queue.Queue = queue.Queue()
         self.waiting: collections.deque[Request] = collections.deque()
         # what the tests and the benchmark read: batch sizes seen in decode steps
-        self.stats = {"requests": 0, "decode_steps": 0, "tokens": 0, "max_batch_seen": 0,
+        self.stats = {"requests": 0, "decode_steps": 0, "tokens": 0, "max_batch_seen": 0, "cancelled": 0,
                       "batch_hist": collections.Counter(), "shifts": 0, "moves": 0,
                       "step_rows": collections.Counter()}
         self._stop = threading.Event()
@@ -297,6 +297,7 @@ class Engine:
             req = self.waiting[0]
             if req.cancelled.is_set():
                 self.waiting.popleft()
+                self.stats["cancelled"] += 1
                 continue
             if not self._place(req):
                 return  # first in, first served: later requests wait behind the head
@@ -388,8 +389,9 @@ class Engine:
         """Record one sampled token for a row; emit text; finish the row on EOS, stop string or limit."""
         r = self.rows[row]
         req = r.req
-        if req.cancelled.is_set():
+        if req.cancelled.is_set():  # its client went away: the row is free for the next request
             self.rows[row] = None
+            self.stats["cancelled"] += 1
             return
         self.stats["tokens"] += 1
         if token in self.eos:

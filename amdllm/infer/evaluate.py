@@ -26,6 +26,8 @@ from tqdm.auto import tqdm
 from amdllm.infer.decode import inference_run
 from amdllm.model import forward, to_pure
 from amdllm.model.fast import inference_weights, token_nll_blocked
+from amdllm.model.inputs import expect_model, expect_tokenizer
+from amdllm.model.inputs import token_ids as check_ids
 
 _COMPILED: dict = {}
 
@@ -58,9 +60,18 @@ def _nll_fn(model):
     return _COMPILED[key]
 
 
-def perplexity(model, token_ids: Sequence[int], seq_len: int = 256, batch_size: int = 8,
+def perplexity(model, token_ids: Sequence[int], seq_len: int | None = None, batch_size: int = 8,
                progress: bool = True) -> dict:
-    """token ids (the whole tokenized text) -> {"perplexity", "nll", "tokens"} by the protocol above."""
+    """token ids (the whole tokenized text) -> {"perplexity", "nll", "tokens"} by the protocol above.
+    seq_len: the window (default 256, or the model's context if shorter)."""
+    expect_model(model, "perplexity")
+    token_ids = check_ids(token_ids, model.cfg.vocab_size, "perplexity")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    limit = model.cfg.max_position_embeddings
+    seq_len = min(256, limit) if seq_len is None else seq_len
+    if seq_len > limit:
+        raise ValueError(f"seq_len {seq_len} is beyond the model's context (max_position_embeddings={limit})")
     wins = windows(token_ids, seq_len)
     if not wins:
         raise ValueError(f"need at least 2 tokens to measure perplexity, got {len(token_ids)}")
@@ -84,8 +95,12 @@ def perplexity(model, token_ids: Sequence[int], seq_len: int = 256, batch_size: 
     return {"perplexity": math.exp(nll), "nll": nll, "tokens": int(count)}
 
 
-def evaluate_text(model, tokenizer, text: str, seq_len: int = 256, batch_size: int = 8,
+def evaluate_text(model, tokenizer, text: str, seq_len: int | None = None, batch_size: int = 8,
                   progress: bool = True) -> dict:
     """Perplexity of `text`, tokenized whole as `tokenizer(text)`."""
+    expect_tokenizer(tokenizer, "evaluate_text")
+    if not isinstance(text, str):
+        raise TypeError(f"evaluate_text: expected text (a str), got {type(text).__name__}; token ids go to "
+                        "perplexity")
     ids = tokenizer(text)["input_ids"]
     return perplexity(model, ids, seq_len=seq_len, batch_size=batch_size, progress=progress)

@@ -33,6 +33,7 @@ from amdllm.infer.decode import inference_run, last_logits, sample_token, step_l
 from amdllm.model import KVCache, to_pure
 from amdllm.cpu import cpu_compiler_options
 from amdllm.model.fast import inference_weights, init_cache, layer_views, split_cache
+from amdllm.model.inputs import expect_model, expect_tokenizer, token_ids
 
 PROMPT_BUCKET = 16
 CACHE_BUCKET = 64
@@ -81,9 +82,9 @@ def _compiled(model):
 
 def _per_row(value, batch: int, name: str) -> jax.Array:
     arr = np.broadcast_to(np.asarray(value, np.float32), (batch,))
-    if name == "temperature" and (arr < 0).any():
+    if name == "temperature" and not ((arr >= 0) & np.isfinite(arr)).all():  # NaN fails every comparison
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {value}")
-    if name == "top_p" and ((arr <= 0) | (arr > 1)).any():
+    if name == "top_p" and not ((arr > 0) & (arr <= 1)).all():
         raise ValueError(f"top_p must be in (0, 1], got {value}")
     return jnp.asarray(arr)
 
@@ -110,7 +111,7 @@ class Decoder:
     per_layer=False keeps the decode step's layer scan even on the CPU (see `layer_views`)."""
 
     def __init__(self, model, *, eos_ids: Sequence[int] = (), pad_id: int = 0, per_layer: bool = True):
-        self.model = model
+        self.model = expect_model(model, "Decoder")
         self.per_layer = per_layer
         self.eos_ids = tuple(sorted({int(e) for e in eos_ids}))
         self.pad_id = int(pad_id)
@@ -121,6 +122,13 @@ class Decoder:
                ) -> Iterator[list]:
         # times[0]: start; times[k]: step k's tokens on the host; counts[k-1]: how many rows produced one
         self.times, self.counts = [time.perf_counter()], []
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
+                or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+        if isinstance(prompt_ids, (str, bytes)) or not len(prompt_ids):
+            raise TypeError("expected a list of prompts, each a list of token ids, got "
+                            f"{type(prompt_ids).__name__}")
+        prompt_ids = [token_ids(p, self.model.cfg.vocab_size, f"prompt {i}") for i, p in enumerate(prompt_ids)]
         if max_new_tokens < 1:
             return
         top, layers = inference_weights(*to_pure(self.model))  # narrow weights as bits on a CPU (model.fast)
@@ -201,8 +209,13 @@ def generate(model, tokenizer, prompts: str | list[str], max_new_tokens: int = 6
              top_p=1.0, seed: int = 0) -> list[dict]:
     """Prompts (tokenized as `tokenizer(prompt)`, BOS from the tokenizer) -> one dict per prompt:
     text, token_ids (new only), prompt_tokens, new_tokens, tokens_per_second."""
+    expect_model(model, "generate")
+    expect_tokenizer(tokenizer, "generate")
     if isinstance(prompts, str):
         prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) for p in prompts):
+        raise TypeError(f"generate: expected a prompt string or a list of them, got {type(prompts).__name__} "
+                        "(token ids go to generate_ids)")
     prompt_ids = [list(tokenizer(p)["input_ids"]) for p in prompts]
     for p, ids in zip(prompts, prompt_ids):
         if not ids:

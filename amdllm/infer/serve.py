@@ -14,185 +14,22 @@ import asyncio
 import concurrent.futures
 import hmac
 import json
-import socket
 import threading
-from dataclasses import dataclass
+import time
 from pathlib import Path
 
+from amdllm.infer import http
+from amdllm.infer.api import (MAX_BODY_BYTES, APIError, Parsed, ServerConfig, max_prompt_chars, parse_chat,
+                              parse_completion)
 from amdllm.infer.engine import Engine, Request, new_id, now
 from amdllm.infer.generate import load_model
-from amdllm.io.templates import TEMPLATE_FILE, TemplateError, render_chat, use_chat_template
+from amdllm.io.templates import TEMPLATE_FILE, use_chat_template
+from amdllm.model.inputs import expect_model, expect_tokenizer
 
 STATIC = Path(__file__).resolve().parent / "static"
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-# ------------------------------------------------------------------------------------------------
-# Request parsing: plain functions from a JSON dict to engine inputs (errors name the parameter)
-# ------------------------------------------------------------------------------------------------
-def _number(body: dict, name: str, default, lo: float, hi: float, kind=float):
-    v = body.get(name, default)
-    if v is None:
-        v = default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
-        raise APIError(400, f"'{name}' must be {'an integer' if kind is int else 'a number'}, got {v!r}", name,
-                       "invalid_type")
-    if not lo <= v <= hi:
-        raise APIError(400, f"'{name}' must be between {lo} and {hi}, got {v}", name, "invalid_value")
-    return kind(v)
-
-
-def _flag(body: dict, name: str) -> bool:
-    """A boolean field: true, false or absent/null (a string such as "false" is refused, not truthy)."""
-    v = body.get(name)
-    if v is None:
-        return False
-    if not isinstance(v, bool):
-        raise APIError(400, f"'{name}' must be a boolean, got {v!r}", name, "invalid_type")
-    return v
-
-
-def _stops(body: dict) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) for s in stop):
-        raise APIError(400, f"'stop' must be a string or a list of up to 4 strings, got {body['stop']!r}",
-                       "stop", "invalid_type")
-    return [s for s in stop if s]
-
-
-def _messages(body: dict) -> list[dict]:
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise APIError(400, "'messages' must be a non-empty list of {role, content} objects", "messages",
-                       "invalid_type")
-    out = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
-            raise APIError(400, f"messages[{i}] needs a 'role' of system, user, assistant or developer",
-                           f"messages.[{i}].role", "invalid_value")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: only text is understood
-            parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-            if len(parts) != len(content) or not all(isinstance(p, str) for p in parts):
-                raise APIError(400, f"messages[{i}].content: only text parts are supported",
-                               f"messages.[{i}].content", "invalid_type")
-            content = "".join(parts)
-        if not isinstance(content, str):
-            raise APIError(400, f"messages[{i}].content must be a string", f"messages.[{i}].content",
-                           "invalid_type")
-        out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
-    return out
-
-
-@dataclass
-class ServerConfig:
-    model_name: str
-    api_key: str | None = None
-    max_tokens_cap: int = 512
-
-
-class Parsed:
-    """A validated request: token ids and sampling settings."""
-
-    def __init__(self, body: dict, prompt_ids: list[int], cfg: ServerConfig, context: int, chat: bool):
-        self.stream = _flag(body, "stream")
-        so = body.get("stream_options") or {}
-        if not isinstance(so, dict):
-            raise APIError(400, f"'stream_options' must be an object, got {so!r}", "stream_options", "invalid_type")
-        self.include_usage = _flag(so, "include_usage")
-        self.return_ids = _flag(body, "return_token_ids")
-        P = len(prompt_ids)
-        param = "messages" if chat else "prompt"
-        if P == 0:
-            raise APIError(400, "the prompt is empty (it has no tokens)", param, "invalid_value")
-        if P >= context:
-            raise APIError(400, f"This model's maximum context length is {context} tokens, but the prompt has "
-                                f"{P} tokens: nothing is left to generate. Shorten the prompt.", param,
-                           "context_length_exceeded")
-        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        room = context - P
-        if body.get(name) is None:  # OpenAI: 16 for completions, "as much as fits" for chat
-            self.max_tokens = min(16 if not chat else cfg.max_tokens_cap, room, cfg.max_tokens_cap)
-        else:
-            self.max_tokens = _number(body, name, None, 1, 1 << 31, int)
-            if self.max_tokens > cfg.max_tokens_cap:
-                raise APIError(400, f"'{name}' is {self.max_tokens}, above this server's cap of "
-                                    f"{cfg.max_tokens_cap} (amdllm serve --max-tokens-cap)", name,
-                               "invalid_value")
-            if P + self.max_tokens > context:
-                raise APIError(400, f"This model's maximum context length is {context} tokens. However, you "
-                                    f"requested {P + self.max_tokens} tokens ({P} in the prompt, "
-                                    f"{self.max_tokens} for the completion). Reduce the prompt or "
-                                    f"'{name}'.", name, "context_length_exceeded")
-        self.temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-        self.top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
-        if self.top_p == 0.0:
-            self.top_p = 1e-9  # keeps only the most likely token
-        seed = body.get("seed")
-        self.seed = None if seed is None else _number(body, "seed", 0, -(1 << 63), (1 << 63) - 1, int) % (1 << 31)
-        if _number(body, "n", 1, 1, 1 << 31, int) != 1:
-            raise APIError(400, "only n=1 is supported", "n", "invalid_value")
-        self.stop = _stops(body)
-        self.prompt_ids = prompt_ids
-
-
-MAX_BODY_BYTES = 8 << 20  # a 128k-token prompt is ~0.5 MB of text
-
-
-def max_prompt_chars(tokenizer, context: int) -> int:
-    """A bound on a prompt's characters above which it cannot fit `context` tokens: no token stands for
-    more characters than its longest vocabulary string (a byte-level or SentencePiece string has at least
-    one character per character it decodes to). Checked before tokenizing, which is the slow part."""
-    return context * max(len(t) for t in tokenizer.get_vocab())
-
-
-def _check_chars(n: int, limit: int, param: str) -> None:
-    if n > limit:
-        raise APIError(400, f"The prompt has {n:,} characters, more than any prompt of this model's context "
-                            f"can hold ({limit:,}). Shorten the prompt.", param, "context_length_exceeded")
-
-
-def parse_completion(body: dict, tokenizer, cfg: ServerConfig, context: int, char_limit: int) -> Parsed:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        _check_chars(len(prompt), char_limit, "prompt")
-        ids = list(tokenizer(prompt)["input_ids"])  # exactly as `amdllm generate` tokenizes
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                     for t in prompt):
-        V = len(tokenizer)
-        if any(not 0 <= t < V for t in prompt):
-            raise APIError(400, f"'prompt' token ids must be in [0, {V})", "prompt", "invalid_value")
-        ids = list(prompt)
-    else:
-        raise APIError(400, "'prompt' must be a string or a list of token ids (one prompt per request)",
-                       "prompt", "invalid_type")
-    return Parsed(body, ids, cfg, context, chat=False)
-
-
-def parse_chat(body: dict, tokenizer, cfg: ServerConfig, context: int, char_limit: int) -> Parsed:
-    try:
-        text, stops = render_chat(tokenizer, _messages(body))
-    except TemplateError as e:  # e.g. a template that demands alternating roles
-        raise APIError(400, str(e), "messages", "invalid_value") from None
-    _check_chars(len(text), char_limit, "messages")
-    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])  # the text holds BOS already
-    p = Parsed(body, ids, cfg, context, chat=True)
-    p.stop += [s for s in stops if s not in p.stop]
-    return p
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 
 
 # ------------------------------------------------------------------------------------------------
@@ -205,7 +42,8 @@ def create_app(engine: Engine, cfg: ServerConfig):
     from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
     from starlette.exceptions import HTTPException
 
-    app = FastAPI(title="amdllm", docs_url=None, redoc_url=None)
+    # /openapi.json is served below, behind the API key like /v1 (it is the API's map)
+    app = FastAPI(title="amdllm", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine, app.state.config = engine, cfg
 
     @app.exception_handler(APIError)
@@ -268,6 +106,11 @@ def create_app(engine: Engine, cfg: ServerConfig):
                 "max_batch_seen": s["max_batch_seen"], "tokens": s["tokens"], "shifts": s["shifts"],
                 "batch_hist": {str(k): v for k, v in sorted(s["batch_hist"].items())}}
 
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(request: HTTPRequest):
+        check_key(request)
+        return app.openapi()
+
     @app.get("/v1/models")
     async def models(request: HTTPRequest):
         check_key(request)
@@ -306,9 +149,11 @@ def create_app(engine: Engine, cfg: ServerConfig):
             return StreamingResponse(sse(req, events, head, p, chat), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            text = []
+            text, watch = [], {"next": time.monotonic() + DISCONNECT_POLL_S}
             while True:
-                kind, v = await events.get()
+                kind, v = await next_event(request, events, watch)
+                if kind == "gone":
+                    return JSONResponse({}, status_code=499)  # nobody reads it; the row is freed below
                 if kind == "delta":
                     text.append(v["text"])
                 elif kind == "error":
@@ -325,6 +170,24 @@ def create_app(engine: Engine, cfg: ServerConfig):
         if p.return_ids:
             choice["token_ids"] = v["token_ids"]
         return {**head, "choices": [choice], "usage": usage(v)}
+
+    async def next_event(request: HTTPRequest, events: asyncio.Queue, watch: dict):
+        """The engine's next event, or ("gone", None) once the client has disconnected: without a stream
+        nothing is written until the end, so the connection is checked every DISCONNECT_POLL_S, whether
+        tokens are flowing or not."""
+        getter = asyncio.ensure_future(events.get())
+        try:
+            while True:
+                wait = max(0.0, watch["next"] - time.monotonic())
+                done, _ = await asyncio.wait({getter}, timeout=wait)
+                if time.monotonic() >= watch["next"]:
+                    watch["next"] = time.monotonic() + DISCONNECT_POLL_S
+                    if await request.is_disconnected():
+                        return "gone", None
+                if done:
+                    return getter.result()
+        finally:
+            getter.cancel()  # a no-op once it has its item
 
     async def sse(req, events, head, p: Parsed, chat: bool):
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
@@ -400,8 +263,8 @@ def build(model=None, tokenizer=None, *, model_dir=None, adapter=None, dtype="fl
         if model_dir is None:
             raise ValueError("pass a model (and its tokenizer) or model_dir")
         model, tokenizer, model_dir = load_model(model_dir, adapter, dtype, allow_pickle)
-    if tokenizer is None:
-        raise ValueError("a tokenizer is needed with an in-memory model")
+    expect_model(model, "build")
+    expect_tokenizer(tokenizer, "build (a tokenizer is needed with an in-memory model)")
     if chat_template is None and adapter is not None and (Path(adapter) / TEMPLATE_FILE).is_file():
         chat_template = str(Path(adapter) / TEMPLATE_FILE)
     use_chat_template(tokenizer, chat_template)
@@ -415,39 +278,25 @@ def build(model=None, tokenizer=None, *, model_dir=None, adapter=None, dtype="fl
         raise ValueError(f"--max-tokens-cap must be >= 1, got {max_tokens_cap}")
     if warmup:
         engine.warmup()
-    return create_app(engine, ServerConfig(model_name, api_key, max_tokens_cap)), engine
-
-
-def listen_socket(host: str, port: int) -> socket.socket:
-    """A socket bound to host:port (the command binds it before loading the model: a wrong --port or
-    one in use is reported at once, not after the load)."""
-    if not 0 <= port <= 65535:
-        raise ValueError(f"--port {port}: expected 0 to 65535")
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
-    return sock
-
-
-def socket_url(sock: socket.socket) -> str:
-    host, port = sock.getsockname()[:2]
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return create_app(engine, ServerConfig(model_name, api_key, max_tokens_cap, model.cfg.vocab_size)), engine
 
 
 def start_server(model=None, tokenizer=None, *, host: str = "127.0.0.1", port: int = 0, log_level="warning",
-                 **kw) -> ServerHandle:
+                 request_timeout: float | None = None, max_connections: int | None = None, **kw) -> ServerHandle:
     """Start the server in a background thread and return once it accepts connections. port 0 picks a
-    free port. Keyword arguments as `build` (model_dir=, adapter=, max_batch=, api_key=, ...)."""
+    free port. request_timeout / max_connections: the HTTP guards (amdllm.infer.http; defaults there).
+    Other keyword arguments as `build` (model_dir=, adapter=, max_batch=, api_key=, ...)."""
     import uvicorn  # the [serve] extra, as above
 
-    app, engine = build(model, tokenizer, **kw)
-    sock = listen_socket(host, port)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off",
-                                           timeout_graceful_shutdown=5))
+    limits = {k: v for k, v in (("request_timeout", request_timeout), ("max_connections", max_connections))
+              if v is not None}
+    sock = http.listen_socket(host, port)
+    try:
+        app, engine = build(model, tokenizer, **kw)
+    except BaseException:
+        sock.close()
+        raise
+    server = uvicorn.Server(http.server_config(app, log_level=log_level, timeout_graceful_shutdown=5, **limits))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="amdllm-http", daemon=True)
     thread.start()
     while not server.started:  # uvicorn sets it once listening; a failed start ends the thread
@@ -455,4 +304,4 @@ def start_server(model=None, tokenizer=None, *, host: str = "127.0.0.1", port: i
             engine.stop()
             raise RuntimeError("the HTTP server failed to start (see the log above)")
         thread.join(0.05)
-    return ServerHandle(server, thread, engine, socket_url(sock))
+    return ServerHandle(server, thread, engine, http.socket_url(sock))

@@ -156,10 +156,24 @@ def _read_block(src: TensorSource, cfg: LlamaConfig, ours: str, index: tuple, dt
     out = _aligned_empty(block, dtype)
     if not ours.startswith("layers/"):
         _copy_into(out, src, hf, tr, index)
+        _check_finite(out, src, hf)
         return out
     for j, i in enumerate(range(*index[0].indices(shape[0]))):  # the stacked buffer, one layer at a time
         _copy_into(out[j], src, hf.format(i=i), tr, index[1:])
+        _check_finite(out[j], src, hf.format(i=i))
     return out
+
+
+FINITE_CHUNK = 1 << 22  # elements checked at a time: the check's temporary stays a few MB
+
+
+def _check_finite(a: np.ndarray, src: TensorSource, name: str) -> None:
+    """A NaN or infinity in the weights is refused at load, naming the tensor (it would otherwise come
+    out as a perplexity of NaN, or token ids all 0). One pass over what was just copied, in chunks."""
+    flat = a.reshape(-1)  # a view: the block is contiguous
+    for k in range(0, flat.size, FINITE_CHUNK):
+        if not np.isfinite(flat[k:k + FINITE_CHUNK]).all():
+            raise CheckpointError(f"{src.path}: tensor {name} holds NaN or infinite values")
 
 
 def _flatten_shardings(sh) -> dict[str, Any]:
@@ -189,7 +203,11 @@ def read_config(path: Path, role: str = "") -> dict:
         raise CheckpointError(f"{where}: not a checkpoint directory" + ("" if path.exists() else " (not found)"))
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{where}: config.json not found (is this a Hugging Face checkpoint directory?)")
-    return read_json(path / "config.json", CheckpointError)
+    raw = read_json(path / "config.json", CheckpointError)
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path / 'config.json'}: expected a JSON object of settings, got a "
+                              f"{type(raw).__name__}")
+    return raw
 
 
 def stored_dtype(path: Path) -> str:

@@ -14,7 +14,6 @@ delta's config and tokenizer.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ import ml_dtypes
 import numpy as np
 
 from amdllm.config import LlamaConfig
-from amdllm.files import atomic_write_text, check_output_dir
+from amdllm.files import atomic_write_text, check_output_dir, staged_dir
 from amdllm.io.checkpoint import is_quantized, read_config, validate
 from amdllm.io.names import TOKENIZER_FILES
 from amdllm.io.safetensors import CheckpointError, TensorSource, write_sharded
@@ -64,17 +63,6 @@ def apply_delta(delta: np.ndarray, base: np.ndarray) -> np.ndarray:
     return out
 
 
-def _replace_dir(staging: Path, out: Path) -> None:
-    """Put the finished `staging` directory at `out`, replacing an old one only after it is complete."""
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-    os.replace(staging, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def convert(src, out, *, dtype: str | None = None, allow_pickle: bool = False, delta_base=None,
             max_shard_size="5GB", overwrite: bool = False) -> dict:
     """Write checkpoint `src` (with `delta_base`: the target of delta weights `src`) to `out` as
@@ -108,10 +96,7 @@ def convert(src, out, *, dtype: str | None = None, allow_pickle: bool = False, d
                     base.release(n)
         return (n, tuple(source.shape(n)), out_dt, fetch)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
+    with staged_dir(out) as staging:  # the output appears whole, or not at all
         files = write_sharded(staging, [entry(n) for n in names], max_shard_size, desc=f"converting {src.name}")
         raw = {**raw, "torch_dtype": out_dt.name, "dtype": out_dt.name}  # transformers 4 / 5 spellings
         atomic_write_text(staging / "config.json", json.dumps(raw, indent=2) + "\n")
@@ -119,10 +104,6 @@ def convert(src, out, *, dtype: str | None = None, allow_pickle: bool = False, d
             if (src / n).is_file():
                 shutil.copyfile(src / n, staging / n)
         tokenizer.save_pretrained(str(staging))  # tokenizer.json, converted if need be
-        _replace_dir(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return {"model": str(src), "out": str(out), "delta_base": None if base is None else str(delta_base),
             "dtype": out_dt.name, "tensors": len(names), "files": files,
             "bytes": sum(int(np.prod(source.shape(n), dtype=np.int64)) * out_dt.itemsize for n in names),

@@ -14,11 +14,12 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
-from safetensors.numpy import load_file
 from safetensors.numpy import save as st_save
 
 from amdllm.files import atomic_write_bytes, atomic_write_text, read_json
 from amdllm.io.names import HF_PARENT
+from amdllm.io.safetensors import CheckpointError, load_tensors
+from amdllm.model.inputs import expect_model
 from amdllm.model.llama import Llama
 from amdllm.model.lora import (LoRAError, apply_lora, in_out, lora_info, lora_targets, normalize_targets,
                                set_lora_params)
@@ -43,6 +44,7 @@ def peft_tensors(model: Llama) -> dict[str, np.ndarray]:
 
 def save_adapter(model: Llama, out_dir, base_model_dir=None) -> Path:
     """Write OUT/adapter_config.json and OUT/adapter_model.safetensors (PEFT LoRA format), atomically."""
+    expect_model(model, "save_adapter")
     info = lora_info(model)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -67,6 +69,13 @@ def read_adapter_config(adapter_dir) -> dict:
     cfg = read_json(path, LoRAError)
     def bad(what):
         raise LoRAError(f"{path}: {what}")
+    if not isinstance(cfg, dict):
+        bad(f"expected a JSON object of settings, got a {type(cfg).__name__}")
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha", 8)
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        bad(f"r must be a positive integer (the LoRA rank), got {r!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        bad(f"lora_alpha must be a number, got {alpha!r}")
     if cfg.get("peft_type") != "LORA":
         bad(f"peft_type is {cfg.get('peft_type')!r}, expected 'LORA'")
     if cfg.get("bias", "none") != "none":
@@ -91,12 +100,16 @@ def read_adapter_config(adapter_dir) -> dict:
 
 def load_adapter(model: Llama, adapter_dir) -> Llama:
     """Attach a PEFT LoRA adapter (ours or one PEFT wrote) to `model` in place and return it."""
+    expect_model(model, "load_adapter")
     cfg = read_adapter_config(adapter_dir)
     r, alpha = int(cfg["r"]), cfg.get("lora_alpha", 8)
     path = Path(adapter_dir) / "adapter_model.safetensors"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: missing (only safetensors adapters are read; .bin is pickled)")
-    tensors = load_file(str(path))
+    try:
+        tensors = load_tensors(path)  # the checked reader: a truncated file is named, not a Rust panic
+    except CheckpointError as e:
+        raise LoRAError(f"{e} (a PEFT adapter's weights)") from None
     L = model.cfg.num_hidden_layers
     found: dict[tuple[str, str], dict[int, np.ndarray]] = {}
     for key, t in tensors.items():
@@ -108,6 +121,8 @@ def load_adapter(model: Llama, adapter_dir) -> Llama:
             raise LoRAError(f"{path}: tensor {key!r} is not among target_modules {list(cfg['targets'])}")
         if i >= L:
             raise LoRAError(f"{path}: tensor {key!r} is for layer {i}, the model has {L} layers")
+        if not np.isfinite(t.astype(np.float32)).all():
+            raise LoRAError(f"{path}: tensor {key!r} holds NaN or infinite values")
         found.setdefault((name, ab), {})[i] = t
     apply_lora(model, rank=r, alpha=alpha, dropout=float(cfg.get("lora_dropout", 0.0)),
                targets=cfg["targets"])

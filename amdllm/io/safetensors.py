@@ -58,27 +58,47 @@ class SafetensorsFile:
                 header = json.loads(f.read(n))
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise CheckpointError(f"{self.path}: corrupt safetensors header ({e})") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{self.path}: corrupt safetensors header (expected a JSON object, got "
+                                  f"{type(header).__name__})")
         self.metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(self.metadata, dict):
+            raise CheckpointError(f"{self.path}: corrupt safetensors header (__metadata__ must be an object)")
         self.data_start = 8 + n
         self.tensors: dict[str, tuple[Any, tuple[int, ...], int, int]] = {}
-        end_max = 0
         for name, t in header.items():
-            if isinstance(t, dict) and t.get("dtype") is not None and t["dtype"] not in ST_DTYPES:
-                raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported dtype {t['dtype']!r} "
-                                      f"(expected one of {', '.join(ST_DTYPES)})")
-            try:
-                dt, shape, (b, e) = ST_DTYPES[t["dtype"]], tuple(t["shape"]), t["data_offsets"]
-            except (KeyError, TypeError, ValueError):
-                raise CheckpointError(f"{self.path}: tensor {name!r} has an unreadable header entry {t}") from None
-            if e - b != int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize:
-                raise CheckpointError(f"{self.path}: tensor {name!r} header is inconsistent "
-                                      f"(shape {list(shape)} {t['dtype']} vs {e - b} bytes)")
-            self.tensors[name] = (dt, shape, b, e)
-            end_max = max(end_max, e)
-        if self.data_start + end_max > size:
-            raise CheckpointError(f"{self.path}: truncated safetensors file (data ends at byte "
-                                  f"{self.data_start + end_max}, file has {size} bytes)")
+            self.tensors[name] = self._entry(name, t)
+        # like the safetensors library: the tensors tile the data exactly, in offset order, with no
+        # overlap and no gap (an overlapping entry would read one tensor's bytes as another's)
+        at = 0
+        for name, (_, _, b, e) in sorted(self.tensors.items(), key=lambda kv: kv[1][2:]):
+            if b != at:
+                raise CheckpointError(f"{self.path}: tensor {name!r} data_offsets [{b}, {e}] "
+                                      f"{'overlap the tensor before' if b < at else 'leave a gap after the tensor before'}"
+                                      f" (expected it to start at byte {at})")
+            at = e
+        if self.data_start + at != size:
+            raise CheckpointError(f"{self.path}: {'truncated' if self.data_start + at > size else 'corrupt'} "
+                                  f"safetensors file (its tensors end at byte {self.data_start + at}, the file "
+                                  f"has {size} bytes)")
         self._map = np.memmap(self.path, dtype=np.uint8, mode="r") if size else None
+
+    def _entry(self, name: str, t) -> tuple[Any, tuple[int, ...], int, int]:
+        """One header entry, checked: dtype known, shape and offsets non-negative integers that agree."""
+        if isinstance(t, dict) and t.get("dtype") is not None and t["dtype"] not in ST_DTYPES:
+            raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported dtype {t['dtype']!r} "
+                                  f"(expected one of {', '.join(ST_DTYPES)})")
+        ok = isinstance(t, dict) and t.get("dtype") in ST_DTYPES and isinstance(t.get("shape"), list) \
+            and isinstance(t.get("data_offsets"), list) and len(t["data_offsets"]) == 2 \
+            and all(type(v) is int and v >= 0 for v in [*t["shape"], *t["data_offsets"]])
+        if not ok:
+            raise CheckpointError(f"{self.path}: tensor {name!r} has an unreadable header entry {t} (expected "
+                                  "dtype, shape: [non-negative ints], data_offsets: [begin, end])")
+        dt, shape, (b, e) = ST_DTYPES[t["dtype"]], tuple(t["shape"]), t["data_offsets"]
+        if e < b or e - b != int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize:
+            raise CheckpointError(f"{self.path}: tensor {name!r} header is inconsistent "
+                                  f"(shape {list(shape)} {t['dtype']} vs data_offsets [{b}, {e}])")
+        return dt, shape, b, e
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.tensors[name][1]
@@ -250,10 +270,17 @@ def _torch_dtype(t) -> np.dtype:
 def _read_weight_map(index: Path) -> dict[str, str]:
     try:
         wm = json.loads(index.read_text())["weight_map"]
-        assert isinstance(wm, dict)
-        return wm
-    except (json.JSONDecodeError, KeyError, AssertionError, TypeError):
-        raise CheckpointError(f"{index}: not a valid index (expected JSON with a 'weight_map' object)") from None
+        assert isinstance(wm, dict) and all(isinstance(f, str) for f in wm.values())
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, AssertionError, TypeError):
+        raise CheckpointError(f"{index}: not a valid index (expected JSON with a 'weight_map' object of "
+                              "tensor name -> shard file name)") from None
+    for name, fname in wm.items():
+        # a shard is a file name in this directory (checked by name, not by resolving links: a Hub cache
+        # snapshot's files are links into its blobs/ folder)
+        if not fname or Path(fname).is_absolute() or ".." in Path(fname).parts or "\\" in fname:
+            raise CheckpointError(f"{index}: tensor {name!r} is mapped to {fname!r}, outside the checkpoint "
+                                  "directory (expected a shard file name in it)")
+    return wm
 
 
 def _torch_np(t) -> np.ndarray:

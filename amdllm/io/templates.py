@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from amdllm.files import read_text
+
 LLAMA3_SPECIALS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
 PLAIN_STOPS = ("\n### ",)
 TEMPLATE_FILE = "chat_template.jinja"  # beside an adapter: the template it was trained with  # a base model in the plain format would go on to write the next turn
@@ -59,7 +61,7 @@ def chat_template_text(spec: str) -> str:
     if not path.is_file():
         raise TemplateError(f"--chat-template {spec}: neither a template name ({', '.join(NAMED_TEMPLATES)}) "
                             "nor a Jinja file")
-    return path.read_text(encoding="utf-8")
+    return read_text(path, TemplateError)
 
 
 def use_chat_template(tokenizer, spec: str | None):

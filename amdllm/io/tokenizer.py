@@ -160,4 +160,9 @@ def encode_fast(model_dir: str | os.PathLike, text: str):
     f = Path(model_dir) / "tokenizer.json"
     if not f.is_file():  # a SentencePiece directory (converted by transformers), or a TokenizerError
         return np.asarray(load_tokenizer(model_dir)(text)["input_ids"], np.int32)
-    return np.asarray(Tokenizer.from_file(str(f)).encode(text).ids, np.int32)
+    try:
+        tok = Tokenizer.from_file(str(f))
+    except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+        raise TokenizerError(f"{f}: could not load the tokenizer: {str(e).splitlines()[0] if str(e) else e!r}") \
+            from None
+    return np.asarray(tok.encode(text).ids, np.int32)

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from amdllm.model.inputs import expect_model
 from amdllm.model.llama import PROJECTIONS, Llama, LoRAParam, param_table
 
 ALL_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -74,6 +75,7 @@ def remove_lora(model: Llama) -> Llama:
 def apply_lora(model: Llama, rank: int = 8, alpha: float = 16, dropout: float = 0.0,
                targets=ALL_TARGETS, seed: int = 0) -> Llama:
     """Attach fresh LoRA factors (float32) to `model` in place and return it. Replaces any existing ones."""
+    expect_model(model, "apply_lora")
     names = normalize_targets(targets)
     if not isinstance(rank, int) or rank < 1:
         raise LoRAError(f"LoRA rank must be a positive integer, got {rank!r}")
@@ -115,6 +117,7 @@ def set_lora_params(model: Llama, params: dict) -> Llama:
 
 def merge_lora(model: Llama) -> Llama:
     """A new plain model with W <- W + (alpha/r) * A @ B (computed in float32, stored in W's dtype)."""
+    expect_model(model, "merge_lora")
     targets = lora_targets(model)
     merged = nnx.clone(model)
     for name in targets:

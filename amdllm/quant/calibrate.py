@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from amdllm import model as M
 import amdllm.model.fast as fast
+from amdllm.model.inputs import expect_model
 from amdllm.model.llama import attention_mask
 from amdllm.config import LlamaConfig
 from amdllm.model.quantized import QuantLinear
@@ -199,6 +200,7 @@ def quantize_model(model, windows, spec, *, method: str = "gptq", batch_size: in
     windows [n, T] int tokens (ignored for RTN). rows: one dict per (layer, projection) with the
     per-token reconstruction error ||WX-QX||^2 of GPTQ and of RTN on the same inputs (GPTQ only).
     """
+    expect_model(model, "quantize_model")
     if method not in ("gptq", "rtn"):
         raise GPTQError(f"method {method!r} is not supported; expected 'gptq' or 'rtn'")
     cfg = model.cfg

@@ -15,6 +15,7 @@ template up to and including the response header (`prompt_ids`).
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +30,13 @@ class DataError(ValueError):
     """A data file that cannot be used; the message gives file:line and what was expected."""
 
 
+class DataWarning(UserWarning):
+    """Rows that are used but probably not as meant: unknown fields (a typo like "inptu"), empty replies."""
+
+
+FIELDS = {"alpaca": ("instruction", "input", "output"), "chat": ("messages",), "plain": ("text",)}
+
+
 # --------------------------------------------------------------------------------------------------
 # Reading rows
 # --------------------------------------------------------------------------------------------------
@@ -38,8 +46,13 @@ def read_jsonl(path) -> list[tuple[int, dict]]:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such data file (expected JSON lines)")
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{n}: byte 0x{raw[e.start]:02x} at column {e.start + 1} is not UTF-8 "
+                                "(expected UTF-8 JSON lines)") from None
             if not line.strip():
                 continue
             try:
@@ -232,13 +245,33 @@ def build_dataset(examples: list[tuple[list[int], list[int]]], seq_len: int, *, 
 def load_dataset(path, tokenizer, seq_len: int, *, pack: bool = True, too_long: str = "split") -> Dataset:
     """Read, template, tokenize and lay out a JSONL file. Errors name file:line."""
     rows = read_jsonl(path)
-    examples = []
+    examples, unknown, empty = [], {}, []
     for n, row in rows:
         where = f"{path}:{n}"
-        examples.append(encode_row(row, tokenizer, row_shape(row, where), where))
+        shape = row_shape(row, where)
+        for k in row.keys() - set(FIELDS[shape]):
+            unknown.setdefault(k, []).append(n)
+        if not _reply_text(row, shape).strip():
+            empty.append(n)
+        examples.append(encode_row(row, tokenizer, shape, where))
+    for k, lines in sorted(unknown.items()):
+        warnings.warn(f"{path}:{lines[0]}: field {k!r} is ignored ({len(lines)} row{'s' * (len(lines) > 1)}); "
+                      f"rows are read from {', '.join(sorted({f for fs in FIELDS.values() for f in fs}))}",
+                      DataWarning, stacklevel=2)
+    if empty:
+        warnings.warn(f"{path}:{empty[0]}: empty response ({len(empty)} row{'s' * (len(empty) > 1)}): such a "
+                      "row teaches only the end token", DataWarning, stacklevel=2)
     ds = build_dataset(examples, seq_len, pack=pack, too_long=too_long, pad_id=pad_id(tokenizer))
     ds.rows = [row for _, row in rows]
     return ds
+
+
+def _reply_text(row: dict, shape: str) -> str:
+    if shape == "alpaca":
+        return row["output"]
+    if shape == "chat":
+        return "".join(m["content"] for m in row["messages"] if m["role"] == "assistant")
+    return row["text"]
 
 
 # --------------------------------------------------------------------------------------------------

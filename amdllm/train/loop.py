@@ -6,26 +6,30 @@ metrics.jsonl (one JSON object per logged step and per evaluation) and resumable
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import sys
 import time
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from safetensors import SafetensorError
 from safetensors.numpy import load_file
 from safetensors.numpy import save as st_save
 from tqdm.auto import tqdm
 
-from amdllm.files import atomic_write_bytes, atomic_write_text
+from amdllm.files import atomic_write_bytes, atomic_write_text, pid_alive
 from amdllm.io.peft import save_adapter
 from amdllm.model import Llama
 import amdllm.model.lora as lora_mod
 from amdllm.model.fast import inference_weights
+from amdllm.model.inputs import expect_model
 from amdllm.parallel.sharding import batch_ways, shard_model
 import amdllm.train.data as data_mod
 from amdllm.train.report import task_accuracy
@@ -66,8 +70,12 @@ def save_checkpoint(out, step: int, lora: dict, opt_state, meta: dict, keep: int
 
 
 def load_checkpoint(path: Path, lora_template: dict, opt_template) -> tuple[dict, object, dict]:
-    t = load_file(str(path / "state.safetensors"))
-    meta = json.loads((path / "state.json").read_text())
+    try:
+        t = load_file(str(path / "state.safetensors"))
+        meta = json.loads((path / "state.json").read_text())
+    except (OSError, ValueError, SafetensorError) as e:
+        raise CheckpointUnreadable(f"{path / 'state.safetensors'}: unreadable ({str(e).splitlines()[0]})") \
+            from None
     lora = {}
     for k, v in lora_template.items():
         if f"lora/{k}" not in t or t[f"lora/{k}"].shape != v.shape:
@@ -79,6 +87,42 @@ def load_checkpoint(path: Path, lora_template: dict, opt_template) -> tuple[dict
     if len(opt) != len(leaves) or any(a.shape != b.shape for a, b in zip(opt, leaves)):
         raise TrainingError(f"{path}: optimizer state does not match this optimizer")
     return lora, jax.tree.unflatten(treedef, opt), meta
+
+
+class CheckpointUnreadable(TrainingError):
+    """A checkpoint whose files cannot be read (cut short by a crash or a full disk)."""
+
+
+def load_latest(out: Path, lora_template: dict, opt_template):
+    """The newest readable checkpoint: (path, lora, opt_state, meta); an unreadable one is named in a
+    warning and the one before it is used."""
+    found = list_checkpoints(out)
+    for path in reversed(found):
+        try:
+            return (path, *load_checkpoint(path, lora_template, opt_template))
+        except CheckpointUnreadable as e:
+            warnings.warn(f"{e}; resuming from the checkpoint before it", stacklevel=2)
+    raise TrainingError(f"{_ckpt_dir(out)}: none of its {len(found)} checkpoints can be read; remove that "
+                        "directory to start the run again")
+
+
+def remove_leftovers(out: Path) -> None:
+    """Partial writes a killed run left: checkpoint directories of processes no longer running, and the
+    temporary files `files.atomic_path` renames into place."""
+    for tmp in _ckpt_dir(out).glob(".tmp-step_*-*") if _ckpt_dir(out).is_dir() else []:
+        pid = tmp.name.rsplit("-", 1)[1]
+        if not (pid.isdigit() and pid_alive(int(pid))):
+            shutil.rmtree(tmp, ignore_errors=True)
+    for tmp in [*out.glob(".*.tmp"), *_ckpt_dir(out).glob("step_*/.*.tmp")]:
+        tmp.unlink(missing_ok=True)
+
+
+def data_fingerprint(ds: data_mod.Dataset) -> str:
+    """sha256 of the laid-out rows: a resume on other data (even with the same row count) is refused."""
+    h = hashlib.sha256()
+    for k in ("tokens", "targets", "weights", "segment_ids", "positions"):
+        h.update(np.ascontiguousarray(getattr(ds, k)).tobytes())
+    return h.hexdigest()
 
 
 def _same_sharding(new: dict, like: dict) -> dict:
@@ -102,6 +146,12 @@ def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig 
     OUT/checkpoints/. Returns a summary dict (losses, evals, throughput, paths).
     """
     out = Path(out_dir)
+    expect_model(model, "finetune")
+    for name, ds in (("training", train_ds), ("evaluation", eval_ds)):
+        if ds is not None and len(ds) and int(ds.tokens.max()) >= model.cfg.vocab_size:
+            raise TrainingError(f"the {name} data holds token id {int(ds.tokens.max())}, outside the model's "
+                                f"vocabulary [0, {model.cfg.vocab_size}): the tokenizer does not belong to "
+                                "this model")
     if mesh is not None and tc.batch_size % batch_ways(mesh, rules):
         raise TrainingError(f"--batch-size {tc.batch_size} does not split over the mesh's "
                             f"{batch_ways(mesh, rules)} batch shards ({dict(mesh.shape)}): pass a multiple of "
@@ -119,18 +169,26 @@ def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig 
     n_dev = 1 if mesh is None else mesh.size
     info = lora_mod.lora_info(model)
     meta = {"train_config": asdict(tc), "lora": {**info, "targets": list(info["targets"])},
-            "data": {"rows": len(train_ds), **train_ds.stats}}
+            "data": {"rows": len(train_ds), **train_ds.stats, "sha256": data_fingerprint(train_ds)}}
     start, metrics_lines = 0, []
     metrics_path = out / "metrics.jsonl"
+    remove_leftovers(out)
     if resume and list_checkpoints(out):
-        last = list_checkpoints(out)[-1]
-        lora, opt_state, saved = load_checkpoint(last, lora, opt_state)
+        last, lora, opt_state, saved = load_latest(out, lora, opt_state)
         diff = {k: (saved["train_config"].get(k), getattr(tc, k)) for k in RESUME_KEYS
                 if saved["train_config"].get(k) != getattr(tc, k)}
-        if diff or saved["lora"] != meta["lora"] or saved["data"]["rows"] != len(train_ds):
-            raise TrainingError(f"{last}: cannot resume with different settings {diff or 'LoRA/data'}; "
-                                "resume needs the same data, LoRA and training settings (saved, new)")
+        if saved["lora"] != meta["lora"]:
+            diff["lora"] = (saved["lora"], meta["lora"])
+        if saved["data"].get("sha256") != meta["data"]["sha256"]:
+            diff["data"] = (f"{saved['data']['rows']} rows, sha256 {str(saved['data'].get('sha256'))[:12]}",
+                            f"{len(train_ds)} rows, sha256 {meta['data']['sha256'][:12]}")
+        if diff:
+            raise TrainingError(f"{last}: cannot resume with different {', '.join(diff)} (saved, new: "
+                                f"{diff}); resume needs the same data, LoRA and training settings")
         start = saved["step"]
+        if start >= tc.steps and (out / "adapter_config.json").is_file():
+            raise TrainingError(f"{last}: this run already finished its {tc.steps} steps; nothing to resume "
+                                f"(its adapter is in {out})")
         if metrics_path.is_file():  # drop lines logged after the checkpoint: they will be redone
             metrics_lines = [l for l in metrics_path.read_text().splitlines()
                              if l.strip() and json.loads(l).get("step", 0) <= start]

@@ -1,0 +1,71 @@
+"""Class "data loss": no command writes over its input, or over an earlier result without --overwrite,
+and a write that fails part-way (here: a file-size limit, as a full disk) leaves the earlier result whole.
+Every case runs the `amdllm` command in a subprocess and then checks the files byte for byte."""
+import hashlib
+import resource
+
+import pytest
+
+from tests.robustness.conftest import amdllm, copy_model, one_line_error
+
+QUANT = ["--method", "rtn", "--group-size", "32"]
+
+
+def digest(d):
+    return {p.relative_to(d).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def model(tiny, tmp_path):
+    return copy_model(tiny, tmp_path / "model")
+
+
+@pytest.mark.parametrize("cmd", ["quantize", "convert", "finetune"])
+def test_out_equal_to_the_model_is_refused_even_with_overwrite(cmd, tiny, model):
+    before = digest(model)
+    extra = {"quantize": QUANT, "convert": [], "finetune": ["--data", tiny["data"], "--steps", "1"]}[cmd]
+    for flags in ([], ["--overwrite"]):
+        if cmd == "convert" and flags:
+            continue  # convert has no --overwrite: an existing --out is always refused
+        one_line_error(amdllm(cmd, "--model", model, "--out", model, *extra, *flags), "--out", "input")
+    assert digest(model) == before
+
+
+def test_an_earlier_quantized_result_is_kept_unless_overwrite(tiny, model, tmp_path):
+    out = tmp_path / "q"
+    assert amdllm("quantize", "--model", model, "--out", out, *QUANT).returncode == 0
+    first = digest(out)
+    one_line_error(amdllm("quantize", "--model", model, "--out", out, *QUANT, "--bits", "8"), "--out",
+                   "--overwrite")
+    assert digest(out) == first
+    p = amdllm("quantize", "--model", model, "--out", out, *QUANT, "--bits", "8", "--overwrite")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert digest(out) != first
+
+
+def test_an_earlier_adapter_without_checkpoints_is_kept(tiny, model, tmp_path):
+    out = tmp_path / "adapter"
+    out.mkdir()
+    (out / "adapter_model.safetensors").write_bytes(b"an earlier adapter")
+    (out / "adapter_config.json").write_text("{}")
+    before = digest(out)
+    for flags in ([], ["--resume"]):  # --resume continues checkpoints; there are none to continue here
+        one_line_error(amdllm("finetune", "--model", model, "--data", tiny["data"], "--out", out, "--steps", "1",
+                              *flags), "--out", "--overwrite")
+    assert digest(out) == before
+
+
+def test_a_failed_overwrite_leaves_the_earlier_result_whole(tiny, model, tmp_path):
+    """--overwrite with a write that fails part-way (a file-size limit: EFBIG, as ENOSPC on a full disk):
+    the earlier model.safetensors is still the earlier one, byte for byte, and no temporary file is left."""
+    out = tmp_path / "q"
+    assert amdllm("quantize", "--model", model, "--out", out, *QUANT).returncode == 0
+    first = digest(out)
+    size = (out / "model.safetensors").stat().st_size
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size // 2, size // 2))
+    p = amdllm("quantize", "--model", model, "--out", out, *QUANT, "--bits", "8", "--overwrite", preexec_fn=limit)
+    one_line_error(p, "File too large", str(out / "model.safetensors"))
+    assert digest(out) == first
