@@ -45,7 +45,9 @@ def test_eval_json_equals_transformers(ckpt, tmp_path, capfd):
     text = tmp_path / "text.txt"
     text.write_text(TEXT * 4)
     r = run_json(capfd, ["eval", "--model", str(d), "--text", str(text), "--seq-len", "32"])
-    assert set(r) == {"perplexity", "nll", "tokens", "text"} and r["text"] == str(text)
+    assert set(r) == {"perplexity", "nll", "tokens", "text", "protocol", "rule", "text_tokens", "windows",
+                      "window_tokens", "dropped_tokens"} and r["text"] == str(text)
+    assert (r["protocol"], r["rule"], r["dropped_tokens"]) == ("amdllm", None, 0)  # the last window is kept
     ref = reference_perplexity(hf, tok(TEXT * 4)["input_ids"], 32)
     assert r["tokens"] == ref["tokens"]
     assert abs(r["perplexity"] / ref["perplexity"] - 1) < 1e-4

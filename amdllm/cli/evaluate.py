@@ -8,15 +8,26 @@ from amdllm.cli.common import add_model_args, count, emit, model_dir
 from amdllm.config import LlamaConfig
 from amdllm.course import heldout_text_path
 from amdllm.files import read_text
-from amdllm.infer.evaluate import perplexity
+from amdllm.infer.evaluate import perplexity_of_windows
 from amdllm.infer.generate import load_weights
-from amdllm.io.tokenizer import encode_fast
+from amdllm.infer.protocols import PROTOCOLS, eval_windows
+from amdllm.io.hfdata import is_c4, load_texts
+from amdllm.io.tokenizer import encoder
 
 
 def add_cli(sub) -> None:
-    p = sub.add_parser("eval", help="perplexity of a text (protocol: docs/cli.md)")
+    p = sub.add_parser("eval", help="perplexity of a text or a dataset (protocols: docs/cli.md)")
     add_model_args(p)
-    p.add_argument("--text", default=None, help="UTF-8 text file (default: the held-out course text)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--text", default=None, help="UTF-8 text file (default: the held-out course text)")
+    src.add_argument("--dataset", default=None,
+                     help="a dataset, by Hub name (wikitext2, c4, NAME[:CONFIG]) or local path (save_to_disk "
+                          "directory, JSON/JSON-lines/parquet files, a C4 shard layout)")
+    p.add_argument("--split", default=None, help="the dataset's split (default: test, else validation)")
+    p.add_argument("--column", default="text", help="the dataset's text column (default: text)")
+    p.add_argument("--protocol", choices=PROTOCOLS, default="amdllm",
+                   help="amdllm (default: every token, last partial window kept) or gptq (the GPTQ paper's "
+                        "code: full windows only; C4: 1,100 documents, 256 windows)")
     p.add_argument("--seq-len", type=count(2), default=None,
                    help="window length in tokens (default 256, or the model's context if shorter)")
     p.add_argument("--batch-size", type=count(), default=8, help="windows per forward pass")
@@ -24,18 +35,25 @@ def add_cli(sub) -> None:
 
 
 def run(args) -> int:
-    if args.text is None:
-        text_path = Path(heldout_text_path())
-        what = f"the course's held-out stories ({text_path})"
-        if args.model is not None:  # a user's model measured on our stories is rarely what they meant
-            print(f"amdllm eval: no --text given: measuring {what}; pass --text FILE for your own text",
-                  file=sys.stderr)
+    source: dict = {}
+    if args.dataset is not None:
+        texts, source = load_texts(args.dataset, args.split, args.column)
+        what = f"{args.dataset} ({source['split']})"
     else:
-        text_path = Path(args.text)
-        what = str(text_path)
-    if not text_path.is_file():
-        raise FileNotFoundError(f"--text {text_path}: no such file")
-    text = read_text(text_path)
+        if args.split is not None or args.column != "text":
+            raise ValueError("--split and --column choose a part of a --dataset; pass --dataset too")
+        if args.text is None:
+            text_path = Path(heldout_text_path())
+            what = f"the course's held-out stories ({text_path})"
+            if args.model is not None:  # a user's model measured on our stories is rarely what they meant
+                print(f"amdllm eval: no --text given: measuring {what}; pass --text FILE for your own text",
+                      file=sys.stderr)
+        else:
+            text_path = Path(args.text)
+            what = str(text_path)
+        if not text_path.is_file():
+            raise FileNotFoundError(f"--text {text_path}: no such file")
+        texts, source = [read_text(text_path)], {"text": str(text_path)}
     path = model_dir(args.model)
     context = LlamaConfig.from_json(path).max_position_embeddings  # before the text is tokenized
     if args.seq_len is None:
@@ -45,10 +63,10 @@ def run(args) -> int:
                          f"{context})")
     # tokenized first (a broken tokenizer fails before the weights load), by `tokenizers` itself where the
     # checkpoint has a tokenizer.json: the same ids as transformers, without its import (and torch's)
-    ids = encode_fast(path, text)
+    rule = "c4" if args.dataset is not None and is_c4(args.dataset) else "wikitext2"
+    wins, report = eval_windows(texts, encoder(path), args.seq_len, args.protocol, rule)
     model = load_weights(path, args.adapter, args.dtype, args.allow_pickle)
-    r = perplexity(model, ids, seq_len=args.seq_len, batch_size=args.batch_size)
-    r["text"] = str(text_path)
+    r = {**perplexity_of_windows(model, wins, batch_size=args.batch_size), **source, **report}
     emit(r, args.json, f"perplexity {r['perplexity']:.4f}  (nll {r['nll']:.4f} over {r['tokens']} "
-                       f"tokens of {what}, seq_len {args.seq_len})")
+                       f"tokens of {what}, seq_len {args.seq_len}, {args.protocol} protocol)")
     return 0

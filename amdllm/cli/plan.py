@@ -15,9 +15,11 @@ def add_cli(sub) -> None:
     p.add_argument("--devices", type=count(), default=8)
     p.add_argument("--accelerator", default="mi300x", help="sets --device-memory and the MFU peak: "
                    + ", ".join(PEAK_BF16_TFLOPS) + ", cpu")
-    p.add_argument("--device-memory", type=number(0, above=True), default=None, help="GB per device (default: the accelerator's)")
+    p.add_argument("--device-memory", type=number(0, above=True), default=None,
+                   help="GB per device (default: the accelerator's)")
     p.add_argument("--mesh", default=None, help="e.g. fsdp=8, data=2,fsdp=4 (default: all devices on fsdp)")
-    p.add_argument("--rules", default=None, choices=sorted(RULES), help=f"sharding preset: {', '.join(RULES)} (default {DEFAULT_RULES})")
+    p.add_argument("--rules", default=None, choices=sorted(RULES),
+                   help=f"sharding preset: {', '.join(RULES)} (default {DEFAULT_RULES})")
     p.add_argument("--lora-rank", type=count(0), default=0, help="plan LoRA training with this rank (0: no LoRA)")
     p.add_argument("--targets", default="q,k,v,o", help="LoRA target projections")
     p.add_argument("--full-finetune", action="store_true", help="plan full fine-tuning instead")
@@ -25,7 +27,8 @@ def add_cli(sub) -> None:
     p.add_argument("--batch-size", type=count(), default=1)
     p.add_argument("--seq-len", type=count(), default=2048)
     p.add_argument("--dtype", default="bfloat16", choices=tuple(DTYPE_BYTES))
-    p.add_argument("--tokens-per-second", type=number(0, above=True), default=None, help="also report the MFU this implies")
+    p.add_argument("--tokens-per-second", type=number(0, above=True), default=None,
+                   help="also report the MFU this implies")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
 

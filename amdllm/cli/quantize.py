@@ -11,10 +11,12 @@ from amdllm import course
 from amdllm.cli.common import add_pickle_arg, count, emit, number
 from amdllm.cli.common import model_dir as resolve_model_dir
 from amdllm.files import atomic_write_text, check_output_dir, read_text, staged_dir
+from amdllm.infer.protocols import PROTOCOLS, calib_windows
 from amdllm.io.checkpoint import load, stored_dtype
 from amdllm.io.gptq_format import quant_config_dict, save_quantized
-from amdllm.io.tokenizer import encode_fast
-from amdllm.quant.calibrate import calibration_windows, model_bytes, quantize_model
+from amdllm.io.hfdata import is_c4, load_texts
+from amdllm.io.tokenizer import encoder
+from amdllm.quant.calibrate import model_bytes, quantize_model
 from amdllm.quant.gptq import QuantSpec, fit_group_size, in_features
 
 
@@ -27,13 +29,21 @@ def run_quantize(args) -> dict:
                          "supports 2, 4 and 8 bits only")
     model_dir = resolve_model_dir(args.model)
     check_output_dir(args.out, [model_dir], command="quantize", overwrite=args.overwrite)
-    windows = None
+    windows, calib_report = None, {}
     if args.method == "gptq":  # the calibration text is read and cut before the weights load
-        calib = Path(args.calib) if args.calib else course.data_dir() / "corpus_train.txt"
-        if not calib.is_file():
-            raise FileNotFoundError(f"--calib {calib}: file not found")
-        windows = calibration_windows(encode_fast(model_dir, read_text(calib)), args.samples, args.seq_len,
-                                      args.seed)
+        if args.dataset is not None:
+            texts, calib_report = load_texts(args.dataset, args.split, args.column, default_splits=("train",))
+            rule = "c4" if is_c4(args.dataset) else "wikitext2"
+        else:
+            if args.split is not None or args.column != "text":
+                raise ValueError("--split and --column choose a part of a --dataset; pass --dataset too")
+            calib = Path(args.calib) if args.calib else course.data_dir() / "corpus_train.txt"
+            if not calib.is_file():
+                raise FileNotFoundError(f"--calib {calib}: file not found")
+            texts, rule, calib_report = [read_text(calib)], "wikitext2", {"calib": str(calib)}
+        windows, report = calib_windows(texts, encoder(model_dir), args.samples, args.seq_len, args.seed,
+                                        args.protocol, rule)
+        calib_report.update(report)
     t0 = time.perf_counter()
     # a bfloat16 checkpoint is held as bfloat16 (each layer is widened to float32 when it is quantized)
     model = load(model_dir, dtype=jnp.bfloat16 if stored_dtype(Path(model_dir)) == "bfloat16" else jnp.float32,
@@ -55,7 +65,7 @@ def run_quantize(args) -> dict:
             "sym": spec.sym, "act_order": spec.act_order, "format": qc["checkpoint_format"],
             "seconds": round(time.perf_counter() - t0, 3), "model_bytes": model_bytes(model),
             "gptq_err": sum(r["gptq_err"] for r in rows) if rows else None,
-            "rtn_err": sum(r["rtn_err"] for r in rows) if rows else None}
+            "rtn_err": sum(r["rtn_err"] for r in rows) if rows else None, "calibration": calib_report or None}
 
 
 def add_cli(subparsers) -> None:
@@ -73,9 +83,19 @@ def add_cli(subparsers) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--sym", dest="sym", action="store_true", default=True, help="symmetric grid (default)")
     g.add_argument("--asym", dest="sym", action="store_false", help="asymmetric grid (saved as gptq_v2)")
-    p.add_argument("--damp", type=number(0, 1, above=True), default=0.01, help="percdamp (default 0.01, raised if needed)")
+    p.add_argument("--damp", type=number(0, 1, above=True), default=0.01,
+                   help="percdamp (default 0.01, raised if needed)")
     p.add_argument("--no-true-sequential", action="store_true")
-    p.add_argument("--calib", help="calibration text file (default: the course corpus)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--calib", help="calibration text file (default: the course corpus)")
+    src.add_argument("--dataset", default=None,
+                     help="calibration dataset, by Hub name (c4, wikitext2, NAME[:CONFIG]) or local path "
+                          "(save_to_disk directory, JSON/JSON-lines/parquet files, a C4 shard layout)")
+    p.add_argument("--split", default=None, help="the dataset's split (default: train)")
+    p.add_argument("--column", default="text", help="the dataset's text column (default: text)")
+    p.add_argument("--protocol", choices=PROTOCOLS, default="amdllm",
+                   help="amdllm (default: random windows of the joined text) or gptq (the GPTQ paper's "
+                        "code: C4, one random window in each of --samples random long documents)")
     p.add_argument("--samples", type=count(), default=128)
     p.add_argument("--seq-len", type=count(2), default=256)
     p.add_argument("--seed", type=count(0), default=0)

@@ -75,7 +75,21 @@ def perplexity(model, token_ids: Sequence[int], seq_len: int | None = None, batc
     wins = windows(token_ids, seq_len)
     if not wins:
         raise ValueError(f"need at least 2 tokens to measure perplexity, got {len(token_ids)}")
-    T = min(seq_len, max(len(w) for w in wins))  # a text shorter than seq_len needs no longer batch
+    return perplexity_of_windows(model, wins, batch_size, progress)
+
+
+def perplexity_of_windows(model, wins: Sequence[np.ndarray], batch_size: int = 8, progress: bool = True) -> dict:
+    """{"perplexity", "nll", "tokens"} over windows of token ids (each predicts its tokens 1..n-1 from the
+    ones before, within the window): the mean NLL of every predicted token. `amdllm.infer.protocols`
+    makes the windows of the named protocols; `perplexity` makes ours."""
+    expect_model(model, "perplexity_of_windows")
+    if not wins:
+        raise ValueError("no windows to measure")
+    limit = model.cfg.max_position_embeddings
+    wins = [check_ids(w, model.cfg.vocab_size, "perplexity") for w in wins]
+    T = max(len(w) for w in wins)  # a text shorter than seq_len needs no longer batch
+    if T > limit:
+        raise ValueError(f"a window of {T} tokens is beyond the model's context (max_position_embeddings={limit})")
     fn = _nll_fn(model)
     top, layers = inference_weights(*to_pure(model))  # narrow weights as bits on a CPU: see model.fast
     total, count = 0.0, 0.0

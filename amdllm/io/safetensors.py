@@ -73,9 +73,9 @@ class SafetensorsFile:
         at = 0
         for name, (_, _, b, e) in sorted(self.tensors.items(), key=lambda kv: kv[1][2:]):
             if b != at:
-                raise CheckpointError(f"{self.path}: tensor {name!r} data_offsets [{b}, {e}] "
-                                      f"{'overlap the tensor before' if b < at else 'leave a gap after the tensor before'}"
-                                      f" (expected it to start at byte {at})")
+                how = "overlap the tensor before" if b < at else "leave a gap after the tensor before"
+                raise CheckpointError(f"{self.path}: tensor {name!r} data_offsets [{b}, {e}] {how} (expected it "
+                                      f"to start at byte {at})")
             at = e
         if self.data_start + at != size:
             raise CheckpointError(f"{self.path}: {'truncated' if self.data_start + at > size else 'corrupt'} "

@@ -21,8 +21,8 @@ from pathlib import Path
 from amdllm.files import read_text
 
 LLAMA3_SPECIALS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
-PLAIN_STOPS = ("\n### ",)
-TEMPLATE_FILE = "chat_template.jinja"  # beside an adapter: the template it was trained with  # a base model in the plain format would go on to write the next turn
+PLAIN_STOPS = ("\n### ",)  # a base model in the plain format would go on to write the next turn
+TEMPLATE_FILE = "chat_template.jinja"  # beside an adapter: the template it was trained with
 
 VICUNA_SYSTEM = ("A chat between a curious user and an artificial intelligence assistant. The assistant "
                  "gives helpful, detailed, and polite answers to the user's questions.")

@@ -153,16 +153,23 @@ def copy_tokenizer(src: str | os.PathLike, dst: str | os.PathLike, required: boo
             atomic_write_bytes(dst / n, (src / n).read_bytes())
 
 
-def encode_fast(model_dir: str | os.PathLike, text: str):
-    """Token ids of `text` (int32 numpy) by the checkpoint's tokenizer.json, read by `tokenizers` itself:
-    the same ids as `load_tokenizer(model_dir)(text)` without importing transformers (~5 s of a command's
-    start). A directory without tokenizer.json gets load_tokenizer's error naming what is missing."""
+def encoder(model_dir: str | os.PathLike):
+    """A function text -> token ids (int32 numpy), as `load_tokenizer(model_dir)(text)["input_ids"]` gives
+    them (BOS included where the tokenizer adds it), read by `tokenizers` itself where the checkpoint has a
+    tokenizer.json: the same ids without importing transformers (~5 s of a command's start). A directory
+    without tokenizer.json gets load_tokenizer's tokenizer (or its error naming what is missing)."""
     f = Path(model_dir) / "tokenizer.json"
     if not f.is_file():  # a SentencePiece directory (converted by transformers), or a TokenizerError
-        return np.asarray(load_tokenizer(model_dir)(text)["input_ids"], np.int32)
+        tok = load_tokenizer(model_dir)
+        return lambda text: np.asarray(tok(text)["input_ids"], np.int32)
     try:
         tok = Tokenizer.from_file(str(f))
     except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
         raise TokenizerError(f"{f}: could not load the tokenizer: {str(e).splitlines()[0] if str(e) else e!r}") \
             from None
-    return np.asarray(tok.encode(text).ids, np.int32)
+    return lambda text: np.asarray(tok.encode(text).ids, np.int32)
+
+
+def encode_fast(model_dir: str | os.PathLike, text: str):
+    """Token ids of `text` by the checkpoint's tokenizer (see `encoder`)."""
+    return encoder(model_dir)(text)
