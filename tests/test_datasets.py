@@ -191,3 +191,24 @@ def test_dataset_errors_are_one_line(tiny, sets, tmp_path):
     one_line_error(amdllm("quantize", "--model", m, "--out", tmp_path / "q", "--dataset", short, "--protocol",
                           "gptq", "--seq-len", 32), "a calibration window needs more than 32")
     assert not (tmp_path / "q").exists()
+
+
+def test_local_files_json_lines_gzip_and_parquet(sets, tmp_path):
+    """The file layouts besides save_to_disk and C4: JSON lines (plain and .gz), parquet, and a directory
+    of them, each read as its single split 'train' with the column asked for."""
+    import datasets
+
+    from amdllm.io.hfdata import DatasetError, load_texts
+    rows = sets["splits"]["test"]
+    (tmp_path / "d").mkdir()
+    rows.to_json(str(tmp_path / "d" / "a.jsonl"))
+    rows.to_parquet(str(tmp_path / "b.parquet"))
+    datasets.Dataset.from_dict({"body": rows["text"]}).to_json(str(tmp_path / "c.jsonl"))
+    with open(tmp_path / "d" / "a.jsonl", "rb") as f, gzip.open(tmp_path / "e.jsonl.gz", "wb") as g:
+        g.write(f.read())
+    for spec, column in ((tmp_path / "d", "text"), (tmp_path / "b.parquet", "text"), (tmp_path / "c.jsonl", "body"),
+                         (tmp_path / "e.jsonl.gz", "text")):
+        texts, info = load_texts(str(spec), None, column)
+        assert texts == rows["text"] and info["split"] == "train", spec
+    with pytest.raises(DatasetError, match="one split, 'train'"):
+        load_texts(str(tmp_path / "b.parquet"), "test")
