@@ -5,8 +5,6 @@ import json
 import os
 from pathlib import Path
 
-import matplotlib.pyplot as plt
-
 from amdllm.infer.generate import generate_ids, tokenizer_eos_ids
 from amdllm.io.tokenizer import pad_id as tokenizer_pad_id
 import amdllm.train.data as data_mod
@@ -52,6 +50,7 @@ def plot_loss(metrics, title: str = "LoRA fine-tuning"):
     recs = read_metrics(metrics) if isinstance(metrics, (str, os.PathLike)) else list(metrics)
     train = [r for r in recs if "loss" in r]
     evals = [r for r in recs if r.get("event") == "eval"]
+    import matplotlib.pyplot as plt  # ~0.9 s to import: paid by a plot, not by every `amdllm` command
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss", lw=1)
     ev = [r for r in evals if "eval_loss" in r]
