@@ -60,11 +60,8 @@ def guarded_protocol(request_timeout: float = REQUEST_TIMEOUT_S, max_connections
 
         def _expire(self) -> None:
             self._timer = None
-            if not self._receiving():
-                self._started = None  # the request is in; the next one starts its own clock
-                return
-            if self.conn.their_state is h11.IDLE and self.cycle is not None and self.cycle.response_complete:
-                self._started = None  # idle between requests: uvicorn's keep-alive timer closes it
+            if self._started is None or not self._receiving():
+                self._started = None  # no request under way (idle between requests: uvicorn's keep-alive)
                 return
             if time.monotonic() - self._started >= request_timeout:
                 self.transport.close()

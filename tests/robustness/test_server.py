@@ -117,6 +117,15 @@ def test_a_client_that_sends_nothing_or_trickles_is_closed(server):
     assert closed_within(silent, TIMEOUT_S + 3)
     assert closed_within(partial, TIMEOUT_S + 3)
     assert time.perf_counter() - t0 < 2 * TIMEOUT_S + 4
+    # after a whole request and its answer, the next request on the same connection trickles: closed too
+    body = json.dumps({"prompt": "the cat", "max_tokens": 2, "temperature": 0}).encode()
+    kept = raw(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    answer = b""
+    while b'"usage"' not in answer:
+        answer += kept.recv(65536)
+    kept.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+    assert closed_within(kept, TIMEOUT_S + 3)
     good(server)
 
 
