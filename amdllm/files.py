@@ -39,10 +39,7 @@ def staged_dir(out: str | os.PathLike):
     the file as it would have been in `out`. Staging left by a killed process is removed first."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    for left in [*out.parent.glob(f".{out.name}.tmp-*"), *out.parent.glob(f".{out.name}.old-*")]:
-        pid = left.name.rsplit("-", 1)[1]
-        if not (pid.isdigit() and pid_alive(int(pid))):
-            shutil.rmtree(left, ignore_errors=True)
+    remove_stale([*out.parent.glob(f".{out.name}.tmp-*"), *out.parent.glob(f".{out.name}.old-*")])
     staging = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
@@ -63,6 +60,15 @@ def staged_dir(out: str | os.PathLike):
     os.replace(staging, out)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_stale(staging) -> None:
+    """Remove the staging directories (named `...-PID`) whose process is no longer running: what a
+    killed writer left. A live process's staging is its own business."""
+    for left in staging:
+        pid = left.name.rsplit("-", 1)[1]
+        if not (pid.isdigit() and pid_alive(int(pid))):
+            shutil.rmtree(left, ignore_errors=True)
 
 
 def pid_alive(pid: int) -> bool:

@@ -5,13 +5,13 @@ import sys
 from pathlib import Path
 
 from amdllm.cli.common import add_model_args, count, emit, model_dir
+from amdllm.cli.datasets import add_dataset_args, read_dataset
 from amdllm.config import LlamaConfig
 from amdllm.course import heldout_text_path
 from amdllm.files import read_text
 from amdllm.infer.evaluate import perplexity_of_windows
 from amdllm.infer.generate import load_weights
-from amdllm.infer.protocols import PROTOCOLS, eval_windows
-from amdllm.io.hfdata import is_c4, load_texts
+from amdllm.infer.protocols import eval_windows
 from amdllm.io.tokenizer import encoder
 
 
@@ -20,14 +20,9 @@ def add_cli(sub) -> None:
     add_model_args(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--text", default=None, help="UTF-8 text file (default: the held-out course text)")
-    src.add_argument("--dataset", default=None,
-                     help="a dataset, by Hub name (wikitext2, c4, NAME[:CONFIG]) or local path (save_to_disk "
-                          "directory, JSON/JSON-lines/parquet files, a C4 shard layout)")
-    p.add_argument("--split", default=None, help="the dataset's split (default: test, else validation)")
-    p.add_argument("--column", default="text", help="the dataset's text column (default: text)")
-    p.add_argument("--protocol", choices=PROTOCOLS, default="amdllm",
-                   help="amdllm (default: every token, last partial window kept) or gptq (the GPTQ paper's "
-                        "code: full windows only; C4: 1,100 documents, 256 windows)")
+    add_dataset_args(p, src, what="a dataset", default_split="test, else validation",
+                     protocol_help="amdllm (default: every token, last partial window kept) or gptq (the GPTQ "
+                                   "paper's code: full windows only; C4: 1,100 documents, 256 windows)")
     p.add_argument("--seq-len", type=count(2), default=None,
                    help="window length in tokens (default 256, or the model's context if shorter)")
     p.add_argument("--batch-size", type=count(), default=8, help="windows per forward pass")
@@ -35,13 +30,11 @@ def add_cli(sub) -> None:
 
 
 def run(args) -> int:
-    source: dict = {}
-    if args.dataset is not None:
-        texts, source = load_texts(args.dataset, args.split, args.column)
+    dataset = read_dataset(args, ("test", "validation"))
+    if dataset is not None:
+        texts, rule, source = dataset
         what = f"{args.dataset} ({source['split']})"
     else:
-        if args.split is not None or args.column != "text":
-            raise ValueError("--split and --column choose a part of a --dataset; pass --dataset too")
         if args.text is None:
             text_path = Path(heldout_text_path())
             what = f"the course's held-out stories ({text_path})"
@@ -53,7 +46,7 @@ def run(args) -> int:
             what = str(text_path)
         if not text_path.is_file():
             raise FileNotFoundError(f"--text {text_path}: no such file")
-        texts, source = [read_text(text_path)], {"text": str(text_path)}
+        texts, rule, source = [read_text(text_path)], "wikitext2", {"text": str(text_path)}
     path = model_dir(args.model)
     context = LlamaConfig.from_json(path).max_position_embeddings  # before the text is tokenized
     if args.seq_len is None:
@@ -63,7 +56,6 @@ def run(args) -> int:
                          f"{context})")
     # tokenized first (a broken tokenizer fails before the weights load), by `tokenizers` itself where the
     # checkpoint has a tokenizer.json: the same ids as transformers, without its import (and torch's)
-    rule = "c4" if args.dataset is not None and is_c4(args.dataset) else "wikitext2"
     wins, report = eval_windows(texts, encoder(path), args.seq_len, args.protocol, rule)
     model = load_weights(path, args.adapter, args.dtype, args.allow_pickle)
     r = {**perplexity_of_windows(model, wins, batch_size=args.batch_size), **source, **report}

@@ -10,11 +10,11 @@ import jax.numpy as jnp
 from amdllm import course
 from amdllm.cli.common import add_pickle_arg, count, emit, number
 from amdllm.cli.common import model_dir as resolve_model_dir
+from amdllm.cli.datasets import add_dataset_args, read_dataset
 from amdllm.files import atomic_write_text, check_output_dir, read_text, staged_dir
-from amdllm.infer.protocols import PROTOCOLS, calib_windows
+from amdllm.infer.protocols import calib_windows
 from amdllm.io.checkpoint import load, stored_dtype
 from amdllm.io.gptq_format import quant_config_dict, save_quantized
-from amdllm.io.hfdata import is_c4, load_texts
 from amdllm.io.tokenizer import encoder
 from amdllm.quant.calibrate import model_bytes, quantize_model
 from amdllm.quant.gptq import QuantSpec, fit_group_size, in_features
@@ -31,12 +31,10 @@ def run_quantize(args) -> dict:
     check_output_dir(args.out, [model_dir], command="quantize", overwrite=args.overwrite)
     windows, calib_report = None, {}
     if args.method == "gptq":  # the calibration text is read and cut before the weights load
-        if args.dataset is not None:
-            texts, calib_report = load_texts(args.dataset, args.split, args.column, default_splits=("train",))
-            rule = "c4" if is_c4(args.dataset) else "wikitext2"
+        dataset = read_dataset(args, ("train",))
+        if dataset is not None:
+            texts, rule, calib_report = dataset
         else:
-            if args.split is not None or args.column != "text":
-                raise ValueError("--split and --column choose a part of a --dataset; pass --dataset too")
             calib = Path(args.calib) if args.calib else course.data_dir() / "corpus_train.txt"
             if not calib.is_file():
                 raise FileNotFoundError(f"--calib {calib}: file not found")
@@ -88,14 +86,10 @@ def add_cli(subparsers) -> None:
     p.add_argument("--no-true-sequential", action="store_true")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--calib", help="calibration text file (default: the course corpus)")
-    src.add_argument("--dataset", default=None,
-                     help="calibration dataset, by Hub name (c4, wikitext2, NAME[:CONFIG]) or local path "
-                          "(save_to_disk directory, JSON/JSON-lines/parquet files, a C4 shard layout)")
-    p.add_argument("--split", default=None, help="the dataset's split (default: train)")
-    p.add_argument("--column", default="text", help="the dataset's text column (default: text)")
-    p.add_argument("--protocol", choices=PROTOCOLS, default="amdllm",
-                   help="amdllm (default: random windows of the joined text) or gptq (the GPTQ paper's "
-                        "code: C4, one random window in each of --samples random long documents)")
+    add_dataset_args(p, src, what="calibration dataset", default_split="train",
+                     protocol_help="amdllm (default: random windows of the joined text) or gptq (the GPTQ "
+                                   "paper's code: C4, one random window in each of --samples random long "
+                                   "documents)")
     p.add_argument("--samples", type=count(), default=128)
     p.add_argument("--seq-len", type=count(2), default=256)
     p.add_argument("--seed", type=count(0), default=0)

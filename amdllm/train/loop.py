@@ -24,7 +24,7 @@ from safetensors.numpy import load_file
 from safetensors.numpy import save as st_save
 from tqdm.auto import tqdm
 
-from amdllm.files import atomic_write_bytes, atomic_write_text, pid_alive
+from amdllm.files import atomic_write_bytes, atomic_write_text, remove_stale
 from amdllm.io.peft import save_adapter
 from amdllm.model import Llama
 import amdllm.model.lora as lora_mod
@@ -109,10 +109,7 @@ def load_latest(out: Path, lora_template: dict, opt_template):
 def remove_leftovers(out: Path) -> None:
     """Partial writes a killed run left: checkpoint directories of processes no longer running, and the
     temporary files `files.atomic_path` renames into place."""
-    for tmp in _ckpt_dir(out).glob(".tmp-step_*-*") if _ckpt_dir(out).is_dir() else []:
-        pid = tmp.name.rsplit("-", 1)[1]
-        if not (pid.isdigit() and pid_alive(int(pid))):
-            shutil.rmtree(tmp, ignore_errors=True)
+    remove_stale(_ckpt_dir(out).glob(".tmp-step_*-*"))
     for tmp in [*out.glob(".*.tmp"), *_ckpt_dir(out).glob("step_*/.*.tmp")]:
         tmp.unlink(missing_ok=True)
 
