@@ -48,7 +48,8 @@ def test_seed_arithmetic_405b():
 
 def test_cli_plan_json(capsys):
     rc = main(["plan", "--model", "llama-3.1-405b", "--devices", "8", "--device-memory", "192",
-               "--mesh", "fsdp=8", "--lora-rank", "8", "--tokens-per-second", "35", "--json"])
+               "--mesh", "fsdp=8", "--lora-rank", "8", "--batch-size", "1", "--seq-len", "2048",
+               "--tokens-per-second", "35", "--json"])
     out = capsys.readouterr().out
     assert rc == 0 and len(out.strip().splitlines()) == 1
     p = json.loads(out)
@@ -56,7 +57,7 @@ def test_cli_plan_json(capsys):
     assert p["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1} and p["seq_len"] == 2048
     assert p["fits"] is False and p["fits_remat"] is True  # 2048 tokens need remat on 192 GB
     rc = main(["plan", "--model", "llama-3.1-405b", "--devices", "8", "--device-memory", "80",
-               "--mesh", "fsdp=8"])
+               "--mesh", "fsdp=8", "--rank", "0"])
     human = capsys.readouterr().out
     assert rc == 0 and "does NOT fit" in human and "weights" in human
     rc = main(["plan", "--model", "llama-3.1-8b", "--devices", "8", "--mesh", "tensor=16"])

@@ -13,6 +13,8 @@ import os
 import sys
 import warnings
 
+from amdllm.cli import cluster
+
 SUBCOMMANDS = ("doctor", "eval", "generate", "finetune", "plan", "quantize", "serve", "convert")
 
 
@@ -33,10 +35,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     prefix = f"amdllm {args.command}"
     warnings.formatwarning = lambda message, *_, **__: f"{prefix}: warning: {message}\n"
+    if not cluster.in_child():
+        return _run(args, prefix, argv)
+    cluster.redirect_native_output()  # one process of several (see amdllm.cli.cluster)
+    rc = _run(args, prefix, argv)
+    cluster.leave(rc)
+    return rc
+
+
+def _run(args, prefix: str, argv: list[str]) -> int:
     try:
+        if not cluster.in_child() and cluster.is_cluster(args):
+            return cluster.supervise(argv, prefix, args)
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, KeyError) as e:  # our errors: one clear line, no traceback
         print(f"{prefix}: error: {e}", file=sys.stderr)
@@ -49,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{prefix}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # a bug of ours: still one line, with the way to see the rest
+        lost = cluster.lost_peer(e)
+        if lost:
+            print(f"{prefix}: error: {lost}", file=sys.stderr)
+            return 1
         if os.environ.get("AMDLLM_TRACEBACK"):
             raise
         print(f"{prefix}: internal error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "

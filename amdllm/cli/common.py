@@ -9,6 +9,7 @@ from pathlib import Path
 
 from amdllm.course import default_model_dir
 from amdllm.infer.generate import DTYPES
+from amdllm.parallel.sharding import DEFAULT_RULES, RULES
 
 
 def emit(obj: dict, as_json: bool, human: str | None = None) -> None:
@@ -71,3 +72,20 @@ def number(minimum: float | None = None, maximum: float | None = None, *, above:
             raise argparse.ArgumentTypeError(f"expected a finite number {' and '.join(bounds)}, got {text}")
         return v
     return parse
+
+
+def add_run_shape_args(p: argparse.ArgumentParser, *, plan: bool = False) -> None:
+    """The options that set a LoRA run's memory and work: `finetune` and `plan` share them, names and
+    defaults, so that a plan is the run it describes."""
+    p.add_argument("--rank", "--lora-rank", dest="rank", type=count(0 if plan else 1), default=8,
+                   help="LoRA rank" + (" (0: plan inference, no training)" if plan else ""))
+    p.add_argument("--targets", default="q,k,v,o,gate,up,down", help="LoRA target projections")
+    p.add_argument("--batch-size", type=count(), default=8,
+                   help="rows per micro-batch, split over the mesh's data and fsdp axes")
+    p.add_argument("--grad-accum", type=count(), default=1, help="micro-batches per optimizer step")
+    p.add_argument("--seq-len", type=count(2), default=256, help="tokens per row")
+    p.add_argument("--mesh", default=None,
+                   help="mesh spec, e.g. fsdp=8 or data=2,fsdp=8 (default: every device on fsdp when >1)")
+    p.add_argument("--rules", default=None, choices=sorted(RULES),
+                   help=f"sharding rules preset (amdllm.parallel.sharding; default {DEFAULT_RULES})")
+    p.add_argument("--remat", action="store_true", help="recompute each layer in the backward (less memory)")

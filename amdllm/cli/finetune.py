@@ -6,17 +6,23 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
-from amdllm.cli.common import add_pickle_arg, count, emit, number
+from amdllm.cli import cluster
+from amdllm.cli.cluster import add_cluster_args, cluster_of
+from amdllm.cli.common import add_pickle_arg, add_run_shape_args, count, emit, number
 from amdllm.cli.common import model_dir as resolve_model_dir
+from amdllm.config import LlamaConfig
 from amdllm.io import checkpoint
 from amdllm.files import atomic_write_text, check_output_dir
 from amdllm.io.templates import TEMPLATE_FILE, use_chat_template
 from amdllm.io.tokenizer import load_tokenizer
 from amdllm.model import lora as lora_mod
-from amdllm.parallel.sharding import DEFAULT_RULES, RULES, make_mesh
+from amdllm.parallel.plan import GB, device_memory
+from amdllm.parallel.plan import plan as plan_run
+from amdllm.parallel.sharding import make_mesh, placement
 from amdllm.train import data as data_mod
-from amdllm.train.loop import TrainConfig, finetune, list_checkpoints
+from amdllm.train.loop import TrainConfig, finetune, list_checkpoints, rss_now
 
 
 def add_cli(sub) -> None:
@@ -29,17 +35,13 @@ def add_cli(sub) -> None:
     p.add_argument("--eval-data", default=None, help="held-out JSONL (loss, and exact match for Alpaca rows)")
     p.add_argument("--out", required=True, help="output directory (adapter, metrics.jsonl, checkpoints/)")
     p.add_argument("--steps", type=count(), default=100)
-    p.add_argument("--rank", type=count(), default=8)
+    add_run_shape_args(p)
     p.add_argument("--alpha", type=number(0, above=True), default=16)
     p.add_argument("--dropout", type=number(0, 0.99), default=0.0)
-    p.add_argument("--targets", default="q,k,v,o,gate,up,down")
     p.add_argument("--lr", type=number(0), default=2e-4)
     p.add_argument("--warmup", type=count(0), default=None)
     p.add_argument("--weight-decay", type=number(0), default=0.0)
     p.add_argument("--clip", type=number(0), default=1.0)
-    p.add_argument("--batch-size", type=count(), default=8)
-    p.add_argument("--grad-accum", type=count(), default=1)
-    p.add_argument("--seq-len", type=count(2), default=256)
     p.add_argument("--no-pack", action="store_true", help="one example per row (padding) instead of packing")
     p.add_argument("--too-long", choices=data_mod.TOO_LONG, default="split",
                    help="an example longer than --seq-len: split into windows (each token still trained once), "
@@ -48,10 +50,9 @@ def add_cli(sub) -> None:
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="frozen base weights and compute (auto: bfloat16 on accelerators; on a CPU the checkpoint's "
                         "own bfloat16 or float32); LoRA and AdamW stay float32")
-    p.add_argument("--mesh", default=None, help="mesh spec, e.g. fsdp=8 (default: all devices on fsdp when >1)")
-    p.add_argument("--rules", default=None, choices=sorted(RULES),
-                   help=f"sharding rules preset (amdllm.parallel.sharding; default {DEFAULT_RULES})")
-    p.add_argument("--remat", action="store_true", help="recompute each layer in the backward (less memory)")
+    p.add_argument("--device-memory", type=number(0, above=True), default=None,
+                   help="GB one device may use, for the plan's check (default: the device's limit; on a CPU the "
+                        "available host memory over the local devices)")
     p.add_argument("--log-every", type=count(), default=1)
     p.add_argument("--eval-every", type=count(0), default=0)
     p.add_argument("--save-every", type=count(0), default=0)
@@ -61,7 +62,8 @@ def add_cli(sub) -> None:
                    help="write into a non-empty --out (an earlier adapter); its checkpoints still need --resume")
     p.add_argument("--merge", action="store_true", help="also write OUT/merged/, a merged HF checkpoint")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout (each process prints its own)")
+    add_cluster_args(p)
     p.set_defaults(func=run)
 
 
@@ -70,12 +72,11 @@ def run(args) -> int:
     # before anything is loaded: an earlier adapter or run in --out is replaced only when asked
     check_output_dir(args.out, [model_dir, args.data, args.eval_data], command="finetune", overwrite=args.overwrite,
                      allowed=args.resume and bool(list_checkpoints(args.out)))
-    dtype = args.dtype
-    if dtype == "auto":  # docs/cli.md: the measurements behind this choice
-        stored = checkpoint.stored_dtype(Path(model_dir))
-        dtype = "bfloat16" if jax.default_backend() != "cpu" or stored == "bfloat16" else "float32"
-    # the frozen base in the dtype asked for (bf16 on accelerators: half the memory); LoRA factors and
-    # optimizer state are float32 whatever it is (amdllm.model.lora)
+    several = cluster_of(args)["source"] != "single"
+    if args.merge and several:
+        raise ValueError("--merge with several processes: the merged model would be gathered whole into one; "
+                         "merge the adapter afterwards in one process (docs/cli.md, 'Several processes')")
+    cfg = LlamaConfig.from_json(model_dir)
     # the data is read and tokenized before the weights load: a bad row costs seconds, not a model load
     tok = use_chat_template(load_tokenizer(model_dir), args.chat_template)
     ds = data_mod.load_dataset(args.data, tok, args.seq_len, pack=not args.no_pack, too_long=args.too_long)
@@ -84,27 +85,39 @@ def run(args) -> int:
         eval_ds = data_mod.load_dataset(args.eval_data, tok, args.seq_len, pack=not args.no_pack,
                                         too_long=args.too_long)
         rows = eval_ds.rows
-    model = checkpoint.load(model_dir, dtype=jnp.dtype(dtype), remat=args.remat,
-                            allow_pickle=args.allow_pickle)
-    lora_mod.apply_lora(model, rank=args.rank, alpha=args.alpha, dropout=args.dropout, targets=args.targets,
-                        seed=args.seed)
-    mesh = None
+    cluster.join(args)  # several processes: JAX's runtime first, before anything touches a device
+    dtype = args.dtype
+    if dtype == "auto":  # docs/cli.md: the measurements behind this choice
+        stored = checkpoint.stored_dtype(Path(model_dir))
+        dtype = "bfloat16" if jax.default_backend() != "cpu" or stored == "bfloat16" else "float32"
     spec = args.mesh or ("auto" if jax.device_count() > 1 else None)
-    if spec:
-        mesh = make_mesh(spec, cfg=model.cfg, rules=args.rules)
+    mesh = make_mesh(spec, cfg=cfg, rules=args.rules) if spec else None
+    planned = check_plan(args, cfg, mesh, dtype, quantized=checkpoint.is_quantized(Path(model_dir),
+                                                                                     checkpoint.read_config(Path(model_dir))))
+    rss_before = rss_now()
+    # the frozen base straight into the mesh, in the dtype asked for: each device reads only its blocks;
+    # LoRA factors and AdamW state are float32, created already split (amdllm.model.lora)
+    model = checkpoint.load(model_dir, dtype=jnp.dtype(dtype), remat=args.remat, allow_pickle=args.allow_pickle,
+                            mesh=mesh, rules=args.rules)
+    lora_mod.apply_lora(model, rank=args.rank, alpha=args.alpha, dropout=args.dropout, targets=args.targets,
+                        seed=args.seed, place=None if mesh is None else placement(mesh, args.rules))
+    jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
+    rss_loaded = rss_now()
     tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum,
                      seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
                      clip=args.clip, seed=args.seed, log_every=args.log_every, eval_every=args.eval_every,
                      save_every=args.save_every, keep=args.keep)
     res = finetune(model, ds, args.out, tc, eval_ds=eval_ds, tokenizer=tok, task_rows=rows, mesh=mesh,
                    rules=args.rules, resume=args.resume, progress=not args.no_progress,
-                   base_model_dir=str(model_dir))
-    if getattr(tok, "chat_template", None):  # `amdllm serve --adapter OUT` renders chats the same way
+                   base_model_dir=str(model_dir), planned_bytes=planned)
+    if getattr(tok, "chat_template", None) and jax.process_index() == 0:  # `serve --adapter OUT` renders alike
         atomic_write_text(Path(args.out) / TEMPLATE_FILE, tok.chat_template)
     if args.merge:
         merged = lora_mod.merge_lora(model)
         res["merged_dir"] = str(checkpoint.save(merged, Path(args.out) / "merged", tokenizer_from=model_dir))
     res.pop("losses")
+    res["dtype"] = dtype
+    res["memory"].update(anon_before_load_bytes=rss_before, anon_after_load_bytes=rss_loaded)
     loss = "n/a (resumed at the end)" if res["final_loss"] is None else f"{res['final_loss']:.4f}"
     human = (f"trained {res['steps']} steps: loss {loss}, "
              f"{res['tokens_per_second']:,.0f} tokens/s, MFU {100 * res['mfu']:.1f}%; adapter in {args.out}")
@@ -112,3 +125,28 @@ def run(args) -> int:
         human += "\n" + json.dumps(res["eval"])
     emit(res, args.json, human)
     return 0
+
+
+def check_plan(args, cfg, mesh, dtype: str, quantized: bool) -> int | None:
+    """The planner's per-device bytes for this run; a run the plan says cannot fit is refused before any
+    weight is read. (A GPTQ base is not planned here: its packed weights are not in the planner's table.)"""
+    if quantized:
+        return None
+    sizes = None if mesh is None else dict(mesh.shape)
+    p = plan_run(cfg, devices=1 if mesh is None else mesh.size, device_memory_gb=1.0, mesh=sizes,
+                 rules=args.rules, lora_rank=args.rank, lora_targets=tuple(args.targets.split(",")),
+                 batch_size=args.batch_size, seq_len=args.seq_len, dtype=dtype)
+    need = p["total_bytes_remat" if args.remat else "total_bytes"]
+    if args.device_memory is not None:
+        have, where = args.device_memory * GB, "--device-memory"
+    else:
+        have, where = device_memory()
+    if need > have:
+        hint = "" if args.remat or p["total_bytes_remat"] > have else "--remat would fit; "
+        skip = "activations" if args.remat else "activations_remat"
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in p["per_device_gb"].items() if v and k != skip)
+        raise ValueError(f"the plan needs {need / GB:.2f} GB per device ({parts}) and a device has "
+                         f"{have / GB:.2f} GB ({where}): {hint}use more devices, a smaller --batch-size or "
+                         "--seq-len, or --device-memory if that figure is wrong (`amdllm plan` takes the same "
+                         "options)")
+    return int(need)

@@ -3,10 +3,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from amdllm.cli.common import count, emit, model_dir, number
+from amdllm.cli.common import add_run_shape_args, count, emit, model_dir, number
 from amdllm.config import PRESETS, LlamaConfig
 from amdllm.parallel.plan import DEVICE_MEMORY_GB, DTYPE_BYTES, PEAK_BF16_TFLOPS, format_plan, plan
-from amdllm.parallel.sharding import DEFAULT_RULES, RULES
 
 
 def add_cli(sub) -> None:
@@ -17,16 +16,11 @@ def add_cli(sub) -> None:
                    + ", ".join(PEAK_BF16_TFLOPS) + ", cpu")
     p.add_argument("--device-memory", type=number(0, above=True), default=None,
                    help="GB per device (default: the accelerator's)")
-    p.add_argument("--mesh", default=None, help="e.g. fsdp=8, data=2,fsdp=4 (default: all devices on fsdp)")
-    p.add_argument("--rules", default=None, choices=sorted(RULES),
-                   help=f"sharding preset: {', '.join(RULES)} (default {DEFAULT_RULES})")
-    p.add_argument("--lora-rank", type=count(0), default=0, help="plan LoRA training with this rank (0: no LoRA)")
-    p.add_argument("--targets", default="q,k,v,o", help="LoRA target projections")
+    add_run_shape_args(p, plan=True)
     p.add_argument("--full-finetune", action="store_true", help="plan full fine-tuning instead")
     p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
-    p.add_argument("--batch-size", type=count(), default=1)
-    p.add_argument("--seq-len", type=count(), default=2048)
-    p.add_argument("--dtype", default="bfloat16", choices=tuple(DTYPE_BYTES))
+    p.add_argument("--dtype", default="auto", choices=("auto",) + tuple(DTYPE_BYTES),
+                   help="frozen weights and compute (auto: bfloat16, what finetune uses on an accelerator)")
     p.add_argument("--tokens-per-second", type=number(0, above=True), default=None,
                    help="also report the MFU this implies")
     p.add_argument("--json", action="store_true")
@@ -48,9 +42,11 @@ def run(args) -> int:
     if mem is None:
         raise ValueError(f"--device-memory is needed for accelerator {args.accelerator!r}")
     p = plan(cfg, devices=args.devices, device_memory_gb=mem, mesh=args.mesh, rules=args.rules,
-             lora_rank=args.lora_rank, lora_targets=tuple(args.targets.split(",")),
+             lora_rank=args.rank, lora_targets=tuple(args.targets.split(",")),
              full_finetune=args.full_finetune, batch_size=args.batch_size, seq_len=args.seq_len,
-             dtype=args.dtype, optimizer=args.optimizer, accelerator=acc, tokens_per_s=args.tokens_per_second)
+             dtype="bfloat16" if args.dtype == "auto" else args.dtype, optimizer=args.optimizer, accelerator=acc, tokens_per_s=args.tokens_per_second)
     p["model"] = args.model or "default"
+    p["remat"] = args.remat
+    p["fits_as_run"] = p["fits_remat" if args.remat else "fits"]
     emit(p, args.json, format_plan(p))
     return 0

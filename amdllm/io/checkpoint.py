@@ -245,7 +245,7 @@ def load(path, *, dtype=jnp.float32, compute_dtype=None, mesh=None, rules=None, 
         model.act_sharding = activation_sharding(mesh, rules)  # activations split by batch
     shardings = _flatten_shardings(shardings)
     table = param_table(cfg)
-    for ours in tqdm(table, desc=f"loading {path.name}", leave=False):
+    for ours in tqdm(table, desc=f"loading {path.name}", leave=False, disable=jax.process_index() != 0):
         shape = table[ours][0]
         if ours in shardings:
             value = jax.make_array_from_callback(

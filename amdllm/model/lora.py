@@ -12,6 +12,7 @@ adapted model starts exactly equal to the base.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -73,8 +74,12 @@ def remove_lora(model: Llama) -> Llama:
 
 
 def apply_lora(model: Llama, rank: int = 8, alpha: float = 16, dropout: float = 0.0,
-               targets=ALL_TARGETS, seed: int = 0) -> Llama:
-    """Attach fresh LoRA factors (float32) to `model` in place and return it. Replaces any existing ones."""
+               targets=ALL_TARGETS, seed: int = 0, place=None) -> Llama:
+    """Attach fresh LoRA factors (float32) to `model` in place and return it. Replaces any existing ones.
+
+    place: (name, shape, logical axes) -> a jax Sharding (`amdllm.parallel.sharding.placement(mesh, rules)`):
+    each factor is then created already split over the mesh, every device drawing only its block. The
+    values do not depend on it (JAX's random bits are the same however the array is split)."""
     expect_model(model, "apply_lora")
     names = normalize_targets(targets)
     if not isinstance(rank, int) or rank < 1:
@@ -92,10 +97,15 @@ def apply_lora(model: Llama, rank: int = 8, alpha: float = 16, dropout: float = 
     for i, name in enumerate(names):
         (L, d_in, d_out), (lax_, in_ax, out_ax) = table["layers/" + name]
         bound = 1.0 / math.sqrt(d_in)  # kaiming_uniform(a=sqrt(5)) on an [r, in] weight: gain/sqrt(fan_in)*sqrt(3)
-        a = jax.random.uniform(jax.random.fold_in(key, i), (L, d_in, rank), jnp.float32, -bound, bound)
-        setattr(model.layers, name + "_lora_a", LoRAParam(a, axes=(lax_, in_ax, "lora_rank")))
-        setattr(model.layers, name + "_lora_b",
-                LoRAParam(jnp.zeros((L, rank, d_out), jnp.float32), axes=(lax_, "lora_rank", out_ax)))
+        shape_a, axes_a = (L, d_in, rank), (lax_, in_ax, "lora_rank")
+        shape_b, axes_b = (L, rank, d_out), (lax_, "lora_rank", out_ax)
+        draw = partial(jax.random.uniform, jax.random.fold_in(key, i), shape_a, jnp.float32, -bound, bound)
+        zeros = partial(jnp.zeros, shape_b, jnp.float32)
+        if place is not None:
+            draw = jax.jit(draw, out_shardings=place(f"layers/{name}_lora_a", shape_a, axes_a))
+            zeros = jax.jit(zeros, out_shardings=place(f"layers/{name}_lora_b", shape_b, axes_b))
+        setattr(model.layers, name + "_lora_a", LoRAParam(draw(), axes=axes_a))
+        setattr(model.layers, name + "_lora_b", LoRAParam(zeros(), axes=axes_b))
     model.lora_scale = float(alpha) / rank
     model.lora_dropout = float(dropout)
     return model

@@ -17,33 +17,18 @@ On CPU the cross-process collectives use gloo (set before the backend starts).
 
 ## Scaling up: several 8x MI300X nodes
 
-One process per node, each owning its node's 8 GPUs; the mesh spans all of them. For 2 nodes
-(16 GPUs) and Llama 3.1 405B, plan first: `amdllm plan --model llama-3.1-405b --devices 16
---mesh data=2,fsdp=8 --lora-rank 8 --seq-len 2048` gives ~101 GB of bf16 weights per GPU (each
-node holds a whole copy; `--mesh fsdp=16` halves that to ~51 GB but gathers weights across the
-network for every layer). Then, on every node:
+One process per node, each owning its node's 8 GPUs; the mesh spans all of them. `amdllm finetune` does
+all of this itself (`amdllm.cli.cluster`; the recipe is examples/405b/: train.sh, one_node.sh,
+slurm.sbatch). From Python, on every node (tests/dist_child.py does exactly this on one machine):
 
-    # node 0 is the coordinator; pick any free TCP port reachable from the other nodes
-    export JAX_COORDINATOR_ADDRESS=node0.cluster:12345 JAX_NUM_PROCESSES=2
-    export JAX_PROCESS_ID=0             # 1 on the second node
-    export HIP_VISIBLE_DEVICES=0,1,2,3,4,5,6,7
-    python my_script.py                 # the same script on every node
-
-or, under SLURM, with nothing to set by hand (JAX reads the SLURM variables):
-
-    srun --nodes=2 --ntasks-per-node=1 --gpus-per-node=8 python my_script.py
-
-where the script does (tests/dist_child.py does exactly this on one machine, with 2 and 4 processes):
-
+    # without a scheduler: export JAX_COORDINATOR_ADDRESS=node0:12345 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=i
+    # under SLURM (srun --nodes=2 --ntasks-per-node=1 ...): nothing to set
     from amdllm.io import checkpoint
     from amdllm.parallel import distributed, sharding
     info = distributed.initialize()            # arguments / JAX_* / SLURM / Open MPI
     mesh = sharding.make_mesh("data=2,fsdp=8") # 16 devices, 8 per process
     model = checkpoint.load("/shared/Llama-3.1-405B", dtype="bfloat16", mesh=mesh, rules="fsdp")
     batch = distributed.global_batch(my_rows, mesh)  # each process passes its share of the batch
-
-The `amdllm` command does not call `initialize()` yet: started on several nodes, each `amdllm finetune`
-would train alone on its own devices. Multi-host runs go through Python, as above, for now.
 
 Rules of thumb: keep `fsdp` (and `tensor`, if any) inside a node, where the GPUs share Infinity
 Fabric links, and put `data` across nodes (only gradients cross the slower network once a step).
@@ -110,9 +95,12 @@ def _int(env, name) -> int:
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, *, local_device_ids=None, timeout_s: int = 300,
-               env: Mapping[str, str] | None = None) -> dict:
+               heartbeat_timeout_s: int = 100, env: Mapping[str, str] | None = None) -> dict:
     """Join (or start) the multi-process JAX runtime; a no-op for a single process. Idempotent.
 
+    timeout_s: how long to wait for every process to join (the coordinator must answer, all N must start);
+    heartbeat_timeout_s: after this long without a heartbeat a process counts as dead. In both cases JAX's
+    runtime ends the process (SIGABRT, with a C++ log); `amdllm.cli.cluster` turns that into one line.
     Returns {"source", "process_id", "num_processes", "local_devices", "global_devices"}."""
     if jax.distributed.is_initialized():
         return _info("already")
@@ -136,7 +124,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
     jax.distributed.initialize(coordinator_address=found["coordinator_address"],
                                num_processes=found["num_processes"], process_id=found["process_id"],
-                               local_device_ids=local_device_ids, initialization_timeout=timeout_s)
+                               local_device_ids=local_device_ids, initialization_timeout=timeout_s,
+                               heartbeat_timeout_seconds=heartbeat_timeout_s)
     return _info(found["source"])
 
 
@@ -159,8 +148,9 @@ def global_batch(local_rows, mesh, rules=None):
     return jax.make_array_from_process_local_data(batch_sharding(mesh, rules, local_rows.ndim), local_rows)
 
 
-def gather(x) -> np.ndarray:
-    """A (possibly multi-process) global array as one numpy array on every process."""
+def gather(x):
+    """A (possibly multi-process) global array, or a pytree of them, as numpy on every process (with
+    several processes a collective: every process must call it)."""
     if jax.process_count() == 1:
-        return np.asarray(x)
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return jax.tree.map(np.asarray, x)
+    return jax.tree.map(np.asarray, multihost_utils.process_allgather(x, tiled=True))

@@ -22,8 +22,14 @@ Memory per device, by part (GB = 1e9 bytes, as accelerator vendors count):
                 recomputed at a time. The head adds float32 logits and log-probabilities: 8V.
                 Inference (no gradient) holds one layer at a time: float32 scores 4*H*S, the layer's
                 input and projections b*(D + q + 2kv + F), and float32 logits 4V.
-Not modelled: XLA temporaries beyond these (all-gathered FSDP weights in flight, fusion buffers),
-allocator fragmentation, and eager-mode copies. `tests/test_plan.py` compares the activation and
+  * in flight   the weights a layer's matmuls use at once: under FSDP each device gathers the layer whole
+                (split only over `tensor`), and the backward pass also holds a copy laid out for the
+                transposed products. Training: IN_FLIGHT_LAYERS x one layer's weights in `dtype` (1.5,
+                calibrated on XLA:CPU float32 steps, unsharded and fsdp=4/8; tests/test_plan.py);
+                inference: one gathered layer under FSDP, none otherwise.
+Not modelled: other XLA temporaries (fusion buffers), allocator fragmentation, eager-mode copies, and
+XLA:CPU's handling of bfloat16, which computes in float32 with widened copies of the weights (a bf16
+step on a CPU measured 1.1-3.4x the plan; on accelerators bf16 is native). `tests/test_plan.py` compares the activation and
 total figures with XLA's own `memory_analysis()` and states the tolerance.
 
 FLOPs per token (N = parameters inside matmuls, lm_head included, the embedding lookup not; the
@@ -54,6 +60,7 @@ PEAK_BF16_TFLOPS = {"mi300x": 1307.4, "mi325x": 1307.4, "mi250x": 383.0, "h100":
 DEVICE_MEMORY_GB = {"mi300x": 192, "mi325x": 256, "mi250x": 128, "h100": 80, "h200": 141, "a100": 80,
                     "tpu-v4": 32, "tpu-v5e": 16, "tpu-v5p": 95, "tpu-v6e": 32}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+IN_FLIGHT_LAYERS = 1.5
 
 
 def _bytes(dtype) -> int:
@@ -110,7 +117,7 @@ def mfu(tokens_per_s: float, flops_per_tok: float, n_devices: int, peak_flops_pe
 @functools.lru_cache(maxsize=None)
 def measure_cpu_flops(n: int = 1024, repeats: int = 5) -> float:
     """float32 matmul FLOP/s of this machine's CPU (best of `repeats` n^3 jnp.dot), cached per process."""
-    cpu = jax.devices("cpu")[0]
+    cpu = jax.local_devices(backend="cpu")[0]  # this process's own (with several, [0] is process 0's)
     a = jax.device_put(jnp.ones((n, n), jnp.float32), cpu)
     f = jax.jit(jnp.dot)
     f(a, a).block_until_ready()  # compile
@@ -130,6 +137,19 @@ def peak_flops(accelerator: str) -> float:
     if key not in PEAK_BF16_TFLOPS:
         raise ValueError(f"unknown accelerator {accelerator!r}; known: cpu, {', '.join(PEAK_BF16_TFLOPS)}")
     return PEAK_BF16_TFLOPS[key] * 1e12
+
+
+def device_memory(device=None) -> tuple[float, str]:
+    """(bytes one device can hold, where that figure comes from): the runtime's limit on an accelerator;
+    on a CPU, the host memory available now, shared by the process's devices."""
+    device = device or jax.local_devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return float(stats["bytes_limit"]), f"{device.device_kind}'s memory limit"
+    with open("/proc/meminfo") as f:
+        avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    n = jax.local_device_count()
+    return avail / n, f"host memory available now / {n} local device{'s' * (n > 1)}"
 
 
 def activation_bytes(cfg, *, batch_per_device: float, seq_len: int, tensor: int = 1, dtype="bfloat16",
@@ -177,9 +197,12 @@ def plan(cfg, *, devices: int, device_memory_gb: float, mesh: str | dict | None 
     tensor = math.prod(sizes[a] for a in table.get("heads", ()))
     act = {r: activation_bytes(cfg, batch_per_device=bpd, seq_len=seq_len, tensor=tensor, dtype=dtype,
                                remat=r, training=training) for r in (False, True)}
+    layer = sum(math.prod(shape[1:]) for name, (shape, _) in param_table(cfg).items() if name.startswith("layers/"))
+    gathered = any(sizes[a] > 1 for a in table.get("embed", ()))  # FSDP: a layer is gathered to be used
+    in_flight = int((IN_FLIGHT_LAYERS if training else float(gathered)) * layer * wb / tensor)
     parts = {"weights": weights, "lora": 4 * lora_n, "optimizer": opt, "gradients": grads if training else 0,
-             "activations": act[False], "activations_remat": act[True]}
-    static = weights + parts["lora"] + opt + parts["gradients"]
+             "in_flight": in_flight, "activations": act[False], "activations_remat": act[True]}
+    static = weights + parts["lora"] + opt + parts["gradients"] + in_flight
     cap = device_memory_gb * GB
     fl = flops_per_token(cfg, seq_len, lora_rank, lora_targets)
     out = {
@@ -218,7 +241,7 @@ def format_plan(p: dict) -> str:
     lines = [f"{p['params'] / 1e9:.2f}B parameters ({p['weights_bytes_total'] / GB:.1f} GB in {p['dtype']}), "
              f"{p['mode']}, mesh {mesh}, rules {p['rules']}, batch {p['batch_size']} x {p['seq_len']} tokens",
              f"per device ({p['device_memory_gb']:g} GB):"]
-    for k in ("weights", "lora", "optimizer", "gradients", "activations", "activations_remat"):
+    for k in ("weights", "lora", "optimizer", "gradients", "in_flight", "activations", "activations_remat"):
         lines.append(f"  {k:<18} {g[k]:10.3f} GB")
     lines.append(f"  {'total':<18} {p['total_gb']:10.3f} GB  -> {'fits' if p['fits'] else 'does NOT fit'}")
     lines.append(f"  {'total with remat':<18} {p['total_gb_remat']:10.3f} GB  -> "

@@ -232,6 +232,8 @@ def shard_model(model, mesh: Mesh, rules=None, *, strict: bool = True):
     for path, var in nnx.to_flat_state(nnx.state(model)):
         name = "/".join(str(p) for p in path)
         value = var.get_value()
+        if name in shardings and getattr(value, "sharding", None) == shardings[name]:
+            continue  # already there (loaded into the mesh, or created sharded)
         if name in shardings or isinstance(value, dict):
             paths.append(path)
             values.append(jax.tree.map(_host_if_cpu, value))
@@ -241,6 +243,21 @@ def shard_model(model, mesh: Mesh, rules=None, *, strict: bool = True):
         _set_param(model, path, new)
     model.act_sharding = activation_sharding(mesh, rules)  # activations split by batch, not like weights
     return model
+
+
+def placement(mesh: Mesh, rules=None, *, strict: bool = True):
+    """(name, shape, logical axes) -> NamedSharding: where a new parameter goes, so that it can be created
+    already split (LoRA factors, `amdllm.model.lora.apply_lora(place=...)`)."""
+    def place(name, shape, axes):
+        return NamedSharding(mesh, logical_to_spec(axes, rules, shape=shape, mesh=mesh, strict=strict, name=name))
+    return place
+
+
+def put(host, sharding):
+    """A host (numpy) array as a jax.Array with `sharding`, each process transferring only the blocks its
+    own devices hold (works with one process or several; every process passes the same array)."""
+    host = np.asarray(host)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def _host_if_cpu(x):

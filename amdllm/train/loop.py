@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import resource
 import shutil
 import sys
 import time
@@ -19,6 +20,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 from safetensors import SafetensorError
 from safetensors.numpy import load_file
 from safetensors.numpy import save as st_save
@@ -30,12 +32,13 @@ from amdllm.model import Llama
 import amdllm.model.lora as lora_mod
 from amdllm.model.fast import inference_weights
 from amdllm.model.inputs import expect_model
-from amdllm.parallel.sharding import batch_ways, shard_model
+from amdllm.parallel import distributed
+from amdllm.parallel.sharding import batch_ways, put, shard_model
 import amdllm.train.data as data_mod
 from amdllm.train.report import task_accuracy
-from amdllm.train.step import (TrainConfig, TrainingError, evaluate_loss, flops_per_token, make_eval_step,
-                               make_optimizer, make_train_step, peak_flops, place_batch, split_params,
-                               stack_batch)
+from amdllm.train.step import (TrainConfig, TrainingError, evaluate_loss, flops_per_token, init_opt_state,
+                               make_eval_step, make_optimizer, make_train_step, peak_flops, place_batch,
+                               split_params, stack_batch)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -52,7 +55,8 @@ def list_checkpoints(out) -> list[Path]:
 
 
 def save_checkpoint(out, step: int, lora: dict, opt_state, meta: dict, keep: int) -> Path:
-    """Write the resumable state as a directory renamed into place (a crash never leaves half of one)."""
+    """Write the resumable state as a directory renamed into place (a crash never leaves half of one).
+    lora and opt_state as host arrays (`distributed.gather` them first when they live on a mesh)."""
     final = _ckpt_dir(Path(out)) / f"step_{step:06d}"
     tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -70,6 +74,8 @@ def save_checkpoint(out, step: int, lora: dict, opt_state, meta: dict, keep: int
 
 
 def load_checkpoint(path: Path, lora_template: dict, opt_template) -> tuple[dict, object, dict]:
+    """(lora, opt_state, meta), the arrays placed like the templates' (on a mesh: each process puts only
+    the blocks its devices hold)."""
     try:
         t = load_file(str(path / "state.safetensors"))
         meta = json.loads((path / "state.json").read_text())
@@ -81,9 +87,9 @@ def load_checkpoint(path: Path, lora_template: dict, opt_template) -> tuple[dict
         if f"lora/{k}" not in t or t[f"lora/{k}"].shape != v.shape:
             raise TrainingError(f"{path}: LoRA tensor {k} missing or of another shape; the checkpoint "
                                 "was written with other LoRA settings")
-        lora[k] = jnp.asarray(t[f"lora/{k}"])
+        lora[k] = _place(t[f"lora/{k}"], v)
     leaves, treedef = jax.tree.flatten(opt_template)
-    opt = [jnp.asarray(t[f"opt/{i:05d}"]) for i in range(len(leaves)) if f"opt/{i:05d}" in t]
+    opt = [_place(t[f"opt/{i:05d}"], leaves[i]) for i in range(len(leaves)) if f"opt/{i:05d}" in t]
     if len(opt) != len(leaves) or any(a.shape != b.shape for a, b in zip(opt, leaves)):
         raise TrainingError(f"{path}: optimizer state does not match this optimizer")
     return lora, jax.tree.unflatten(treedef, opt), meta
@@ -122,8 +128,9 @@ def data_fingerprint(ds: data_mod.Dataset) -> str:
     return h.hexdigest()
 
 
-def _same_sharding(new: dict, like: dict) -> dict:
-    return jax.tree.map(lambda n, o: jax.device_put(n, o.sharding), new, like)
+def _place(host: np.ndarray, like):
+    sh = getattr(like, "sharding", None)
+    return put(host, sh) if isinstance(sh, NamedSharding) else jnp.asarray(host)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -135,15 +142,22 @@ RESUME_KEYS = ("steps", "batch_size", "grad_accum", "seq_len", "lr", "warmup", "
 
 def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig = TrainConfig(), *,
              eval_ds: data_mod.Dataset | None = None, tokenizer=None, task_rows=None, task_group_by=None,
-             mesh=None, rules=None, resume: bool = False, progress: bool = True, base_model_dir=None) -> dict:
+             mesh=None, rules=None, resume: bool = False, progress: bool = True, base_model_dir=None,
+             planned_bytes: int | None = None) -> dict:
     """Train the LoRA factors already attached to `model` (in place); write the adapter to `out_dir`.
     Evaluations score `task_rows` by exact match (per group too with `task_group_by`, see `task_accuracy`).
 
     Metrics go to OUT/metrics.jsonl (one line per logged step, and one per evaluation), checkpoints to
-    OUT/checkpoints/. Returns a summary dict (losses, evals, throughput, paths).
+    OUT/checkpoints/. Returns a summary dict (losses, evals, throughput, memory, paths).
+
+    With several processes (`amdllm.parallel.distributed.initialize`) every process calls this with the
+    same arguments and a mesh over all devices: each places only its devices' rows of every batch, and
+    process 0 alone writes (the adapter, metrics, checkpoints) and shows progress. `planned_bytes`: the
+    planner's per-device figure, printed beside XLA's for the compiled step before training.
     """
     out = Path(out_dir)
     expect_model(model, "finetune")
+    lead = jax.process_index() == 0
     for name, ds in (("training", train_ds), ("evaluation", eval_ds)):
         if ds is not None and len(ds) and int(ds.tokens.max()) >= model.cfg.vocab_size:
             raise TrainingError(f"the {name} data holds token id {int(ds.tokens.max())}, outside the model's "
@@ -153,15 +167,21 @@ def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig 
         raise TrainingError(f"--batch-size {tc.batch_size} does not split over the mesh's "
                             f"{batch_ways(mesh, rules)} batch shards ({dict(mesh.shape)}): pass a multiple of "
                             f"{batch_ways(mesh, rules)}, or a --mesh with fewer data/fsdp devices")
-    out.mkdir(parents=True, exist_ok=True)
+    if task_rows and jax.process_count() > 1:
+        warnings.warn("exact match needs generation, which runs in one process: skipped in this "
+                      f"{jax.process_count()}-process run (the held-out loss is still measured); score the "
+                      "adapter afterwards with one process", stacklevel=2)
+        task_rows = None
+    if lead:
+        out.mkdir(parents=True, exist_ok=True)
     if mesh is not None:
-        shard_model(model, mesh, rules)
+        shard_model(model, mesh, rules)  # a no-op for what was loaded or created in place
     lora, frozen = split_params(model)
     # a narrow frozen base travels as bits on a CPU (one layer widened at a time; see model.fast)
     top, layers = inference_weights({k: v for k, v in frozen.items() if k != "layers"}, frozen.get("layers", {}))
     frozen = {**top, "layers": layers} if frozen else frozen
     optimizer, schedule = make_optimizer(tc)
-    opt_state = optimizer.init(lora)
+    opt_state = init_opt_state(optimizer, lora)
     global_batch = tc.batch_size * tc.grad_accum
     n_dev = 1 if mesh is None else mesh.size
     info = lora_mod.lora_info(model)
@@ -169,7 +189,8 @@ def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig 
             "data": {"rows": len(train_ds), **train_ds.stats, "sha256": data_fingerprint(train_ds)}}
     start, metrics_lines = 0, []
     metrics_path = out / "metrics.jsonl"
-    remove_leftovers(out)
+    if lead:
+        remove_leftovers(out)
     if resume and list_checkpoints(out):
         last, lora, opt_state, saved = load_latest(out, lora, opt_state)
         diff = {k: (saved["train_config"].get(k), getattr(tc, k)) for k in RESUME_KEYS
@@ -192,24 +213,36 @@ def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig 
     elif list_checkpoints(out) and not resume:
         raise TrainingError(f"{out}: holds checkpoints of an earlier run; pass resume=True (--resume) "
                             "or use a fresh output directory")
-    if mesh is not None:
-        lora = _same_sharding(lora, split_params(model)[0])
-    step_fn = make_train_step(model, optimizer)
     eval_step = make_eval_step(model)
     fpt = flops_per_token(model.cfg, info, tc.seq_len)
     peak = peak_flops() * n_dev
     key = jax.random.key(tc.seed)
     evals, losses, last_ckpt = [], [], (list_checkpoints(out) or [None])[-1]
 
+    def next_batch(step):
+        idx = data_mod.batch_indices(len(train_ds), step, global_batch, tc.seed)
+        return place_batch(stack_batch(train_ds, idx, tc.grad_accum), mesh, rules)
+
+    # compiled once, ahead of the loop: XLA's own memory figure for this step, beside the planner's
+    step_fn = make_train_step(model, optimizer).lower(lora, opt_state, frozen, next_batch(start),
+                                                      jax.random.fold_in(key, start)).compile()
+    memory = {"xla_bytes_per_device": compiled_bytes(step_fn), "plan_bytes_per_device": planned_bytes,
+              "weights_bytes_this_process": local_bytes(frozen), "process": jax.process_index(),
+              "processes": jax.process_count()}
+    frozen_in_step = step_inputs(step_fn, frozen)
+    if lead:
+        print(memory_line(memory), file=sys.stderr)
+
     def write_metrics():
-        atomic_write_text(metrics_path, "".join(l + "\n" for l in metrics_lines))
+        if lead:
+            atomic_write_text(metrics_path, "".join(l + "\n" for l in metrics_lines))
 
     def run_eval(step):
         rec = {"step": step, "event": "eval"}
-        set_lora_copy(model, lora)
         if eval_ds is not None:
             rec["eval_loss"] = evaluate_loss(model, lora, frozen, eval_ds, tc.batch_size, eval_step, mesh, rules)
         if task_rows and tokenizer is not None:
+            set_lora_copy(model, lora)
             rec.update(task_accuracy(model, tokenizer, task_rows, group_by=task_group_by))
         evals.append(rec)
         metrics_lines.append(json.dumps(rec))
@@ -218,18 +251,18 @@ def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig 
 
     def checkpoint(step):
         nonlocal last_ckpt
-        last_ckpt = save_checkpoint(out, step, lora, opt_state, meta, tc.keep)
+        host = distributed.gather((lora, opt_state))  # every process takes part; process 0 writes
+        if lead:
+            last_ckpt = save_checkpoint(out, step, *host, meta, tc.keep)
 
     if start == 0 and (eval_ds is not None or task_rows):
         run_eval(0)  # the "before" numbers: base model (B = 0, so the adapter is a no-op)
-    bar = tqdm(range(start, tc.steps), initial=start, total=tc.steps, desc="finetune", disable=not progress,
-               file=sys.stderr, dynamic_ncols=True)
+    bar = tqdm(range(start, tc.steps), initial=start, total=tc.steps, desc="finetune",
+               disable=not (progress and lead), file=sys.stderr, dynamic_ncols=True)
     tok_s = mfu = 0.0
     t_prev = time.perf_counter()
     for step in bar:
-        idx = data_mod.batch_indices(len(train_ds), step, global_batch, tc.seed)
-        batch = place_batch(stack_batch(train_ds, idx, tc.grad_accum), mesh, rules)
-        lora, opt_state, m = step_fn(lora, opt_state, frozen, batch, jax.random.fold_in(key, step))
+        lora, opt_state, m = step_fn(lora, opt_state, frozen, next_batch(step), jax.random.fold_in(key, step))
         loss = float(m["loss"])  # waits for the step; also the NaN check
         now = time.perf_counter()
         dt, t_prev = now - t_prev, now
@@ -239,7 +272,7 @@ def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig 
             raise TrainingError(f"non-finite loss ({loss}) or gradient norm ({float(m['grad_norm'])}) at step "
                                 f"{step + 1}; stopped without applying it ({where})")
         positions = global_batch * tc.seq_len
-        if step > start:  # the first step includes compilation
+        if step > start:  # the first step's time includes the batch's first transfer
             tok_s = positions / dt
             mfu = fpt * tok_s / peak if peak else 0.0
         losses.append(loss)
@@ -261,14 +294,75 @@ def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig 
     if start < tc.steps:
         checkpoint(tc.steps)
     final_eval = run_eval(tc.steps) if (eval_ds is not None or task_rows) else None
-    set_lora_copy(model, lora)
-    save_adapter(model, out, base_model_dir=base_model_dir)
+    if jax.process_count() > 1:  # the trained factors, whole, on every process; process 0 writes them
+        lora_mod.set_lora_params(model, distributed.gather(lora))
+    else:
+        set_lora_copy(model, lora)
+    if lead:
+        save_adapter(model, out, base_model_dir=base_model_dir)
     write_metrics()
+    memory["peak_rss_bytes"] = peak_rss()
     return {"steps": tc.steps, "resumed_from": start, "losses": losses,
             "final_loss": losses[-1] if losses else None, "eval": final_eval, "evals": evals,
             "tokens_per_second": tok_s, "mfu": mfu, "flops_per_token": fpt, "peak_flops": peak,
             "adapter_dir": str(out), "metrics": str(metrics_path), "checkpoint": str(last_ckpt),
-            "data": train_ds.stats}
+            "data": train_ds.stats, "memory": memory, "frozen_in_step": frozen_in_step}
+
+
+def compiled_bytes(compiled) -> int | None:
+    """XLA's memory for one device of a compiled computation: arguments + outputs + temporaries - the
+    donated arguments reused as outputs (the figure tests/test_plan.py compares the planner with)."""
+    m = compiled.memory_analysis()
+    if m is None:
+        return None
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+
+
+def step_inputs(compiled, frozen) -> dict:
+    """How the compiled step receives the frozen weights, read from the compiled step itself: per array,
+    its dtype (on a CPU a bfloat16 weight travels as its uint16 bits, model.fast), partition spec and
+    the block one device holds."""
+    shardings = compiled.input_shardings[0][2]  # arguments: (lora, opt_state, frozen, batch, rng)
+    out = {}
+    for (path, sh), x in zip(jax.tree_util.tree_flatten_with_path(shardings)[0], jax.tree.leaves(frozen)):
+        name = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+        out[name] = {"dtype": str(x.dtype), "shape": list(x.shape),
+                                           "spec": str(getattr(sh, "spec", "")),
+                                           "device_shape": list(sh.shard_shape(x.shape))}
+    return out
+
+
+def local_bytes(tree) -> int:
+    """Bytes of the arrays' blocks held by this process's devices."""
+    total = 0
+    for leaf in jax.tree.leaves(tree, is_leaf=lambda x: hasattr(x, "addressable_shards")):
+        shards = getattr(leaf, "addressable_shards", None)
+        total += sum(s.data.nbytes for s in shards) if shards else int(getattr(leaf, "nbytes", 0))
+    return total
+
+
+def memory_line(m: dict) -> str:
+    gb = lambda b: "n/a" if b is None else f"{b / 1e9:.3f} GB"  # noqa: E731
+    ratio = (f" (XLA / plan = {m['xla_bytes_per_device'] / m['plan_bytes_per_device']:.2f})"
+             if m["plan_bytes_per_device"] and m["xla_bytes_per_device"] else "")
+    return (f"memory per device for this step: plan {gb(m['plan_bytes_per_device'])}, XLA "
+            f"{gb(m['xla_bytes_per_device'])}{ratio}; frozen weights held by process {m['process']} of "
+            f"{m['processes']}: {gb(m['weights_bytes_this_process'])}")
+
+
+def rss_now(field: str = "RssAnon") -> int:
+    """This process's resident memory now, in bytes (Linux /proc; 0 elsewhere). RssAnon (the default) is
+    what it allocated; VmRSS adds the file pages it has mapped (the kernel's page cache, shared)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+    except (OSError, StopIteration):
+        return 0
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory so far, in bytes (Linux reports kilobytes)."""
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def set_lora_copy(model: Llama, lora: dict) -> None:

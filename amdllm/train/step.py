@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from amdllm.model import Llama, LoRAParam, forward, to_pure, token_nll
 from amdllm.cpu import cpu_compiler_options
 import amdllm.parallel.plan as plan
-from amdllm.parallel.sharding import batch_sharding
+from amdllm.parallel.sharding import batch_sharding, put
 import amdllm.train.data as data_mod
 
 
@@ -67,6 +67,19 @@ def make_optimizer(tc: TrainConfig, decay_mask=None) -> tuple[optax.GradientTran
     return optax.chain(optax.clip_by_global_norm(tc.clip),
                        optax.adamw(sched, b1=tc.b1, b2=tc.b2, weight_decay=tc.weight_decay,
                                    mask=decay_mask)), sched
+
+
+def init_opt_state(optimizer: optax.GradientTransformation, trained):
+    """optimizer.init(trained), with each moment split like the parameter it follows and the step count
+    replicated, when the parameters live on a mesh: created in place, on one process or several."""
+    first = jax.tree.leaves(trained)[0]
+    if not isinstance(getattr(first, "sharding", None), NamedSharding):
+        return optimizer.init(trained)
+    replicated = NamedSharding(first.sharding.mesh, P())
+    shardings = optax.tree_map_params(optimizer, lambda _, s: s, jax.eval_shape(optimizer.init, trained),
+                                      jax.tree.map(lambda x: x.sharding, trained),
+                                      transform_non_params=lambda _: replicated)
+    return jax.jit(optimizer.init, out_shardings=shardings)(trained)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -155,11 +168,13 @@ def stack_batch(ds: data_mod.Dataset, idx: np.ndarray, grad_accum: int) -> dict:
 
 
 def place_batch(batch: dict, mesh=None, rules=None) -> dict:
+    """[K, B, T] host arrays on the devices: with a mesh, rows split over its batch axes, and each process
+    transfers only the rows its own devices hold (one process or several)."""
     if mesh is None:
         return {k: jnp.asarray(v) for k, v in batch.items()}
     spec = batch_sharding(mesh, rules, 2).spec  # (batch axes, None) for [B, T]
     sh = NamedSharding(mesh, P(None, *spec))    # [K, B, T]: micro-batch axis whole, rows split
-    return {k: jax.device_put(v, sh) for k, v in batch.items()}
+    return {k: put(v, sh) for k, v in batch.items()}
 
 
 def evaluate_loss(model: Llama, lora, frozen, ds: data_mod.Dataset, batch_size: int, eval_step=None,

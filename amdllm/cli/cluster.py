@@ -1,0 +1,172 @@
+"""One `amdllm` command as several processes: the cluster flags, joining JAX's runtime, and a supervisor.
+
+A command that trains on a mesh (`finetune`) joins JAX's distributed runtime when the environment
+describes a cluster (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, SLURM, Open MPI; see
+`amdllm.parallel.distributed`) or when `--coordinator HOST:PORT --num-processes N --process-id I` are
+given. Every process runs the same command; the mesh then spans every device of every process.
+
+Why a supervisor: when a peer process dies, or the coordinator does not answer, or fewer processes
+start than `--num-processes` says, JAX's runtime ends the process from C++ (a fatal log, SIGABRT and a
+stack trace): Python never sees an exception, and the gloo collectives of a CPU run print to stdout.
+So a multi-process command runs itself again as a child whose native output (the runtime's log, gloo)
+goes to a log file, while Python's stdout and stderr stay the terminal's; the parent waits, and turns
+an ending the child could not report itself into one line naming what happened and the log.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+
+from amdllm.cli.common import count
+from amdllm.parallel import distributed
+
+CHILD_ENV = "AMDLLM_CLUSTER_DIR"  # set in the child: the directory of its native log and status files
+
+
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("several processes (one per host; docs/cli.md, 'Several processes')")
+    g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="address of process 0 (default: JAX_COORDINATOR_ADDRESS, SLURM or Open MPI)")
+    g.add_argument("--num-processes", type=count(), default=None, help="processes in the run (one per host)")
+    g.add_argument("--process-id", type=count(0), default=None, help="this process's id, 0..N-1")
+    g.add_argument("--init-timeout", type=count(), default=300,
+                   help="seconds to wait for every process to join (default 300)")
+    g.add_argument("--heartbeat-timeout", type=count(), default=100,
+                   help="seconds without news from a process before the others stop (default 100)")
+
+
+def cluster_of(args) -> dict:
+    """{"source", "coordinator_address", "num_processes", "process_id"} from the flags, else the environment."""
+    flags = {"--coordinator": args.coordinator, "--num-processes": args.num_processes,
+             "--process-id": args.process_id}
+    if any(v is not None for v in flags.values()):
+        missing = [k for k, v in flags.items() if v is None]
+        if missing:
+            raise ValueError(f"{', '.join(k for k, v in flags.items() if v is not None)} given without "
+                             f"{', '.join(missing)}: pass all three (or none, to read the environment)")
+        if ":" not in args.coordinator:
+            raise ValueError(f"--coordinator {args.coordinator!r}: expected HOST:PORT (process 0's address)")
+        if args.process_id >= args.num_processes:
+            raise ValueError(f"--process-id {args.process_id} is outside 0..{args.num_processes - 1} "
+                             f"(--num-processes {args.num_processes})")
+        return {"source": "flags", "coordinator_address": args.coordinator,
+                "num_processes": args.num_processes, "process_id": args.process_id}
+    try:
+        return distributed.detect()
+    except distributed.DistributedError as e:
+        raise ValueError(str(e)) from None
+
+
+def is_cluster(args) -> bool:
+    return hasattr(args, "init_timeout") and cluster_of(args)["source"] != "single"
+
+
+# --------------------------------------------------------------------------------------------------
+# The parent: run the command as a child, and say in one line how a runtime-ended child ended
+# --------------------------------------------------------------------------------------------------
+def supervise(argv: list[str], prefix: str, args) -> int:
+    c = cluster_of(args)
+    work = Path(tempfile.mkdtemp(prefix="amdllm-process-"))
+    child = subprocess.Popen([sys.executable, "-m", "amdllm.cli", *argv], env={**os.environ, CHILD_ENV: str(work)})
+    old = {s: signal.signal(s, lambda n, _f: child.send_signal(n)) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        rc = child.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    if (work / "ended").is_file() or rc in (0, 130):  # the child said what happened itself
+        shutil.rmtree(work, ignore_errors=True)
+        return rc
+    who = f"process {c['process_id'] if c['process_id'] is not None else '?'} of {c['num_processes'] or '?'}"
+    log = work / "native.log"
+    if not (work / "joined").is_file():
+        where = c["coordinator_address"] or "the address SLURM / Open MPI gives"
+        msg = (f"{who} could not join the run within --init-timeout {args.init_timeout} s: the coordinator "
+               f"{where} did not answer, or fewer than {c['num_processes'] or 'all'} processes started")
+    else:
+        msg = (f"{who} stopped: {_reason(log)}; the run cannot go on without every process (the lost one's own "
+               f"output says why it ended)")
+    print(f"{prefix}: error: {msg} (JAX's log: {log})", file=sys.stderr)
+    return 1
+
+
+def _reason(log: Path) -> str:
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    if "stopped sending heartbeats" in text:
+        return "another process stopped answering (no heartbeat within --heartbeat-timeout)"
+    if "Socket closed" in text or "UNAVAILABLE" in text or "Connection reset" in text:
+        return "the connection to another process (or to the coordinator, process 0) was lost"
+    return "JAX's distributed runtime ended it"
+
+
+# --------------------------------------------------------------------------------------------------
+# The child
+# --------------------------------------------------------------------------------------------------
+def in_child() -> bool:
+    return bool(os.environ.get(CHILD_ENV))
+
+
+def redirect_native_output() -> None:
+    """In the child: file descriptors 1 and 2 (what C++ writes to) go to the log; Python's sys.stdout and
+    sys.stderr keep the terminal. Before anything starts JAX's backend."""
+    work = Path(os.environ[CHILD_ENV])
+    log = os.open(work / "native.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    out, err = os.dup(1), os.dup(2)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    sys.stdout = os.fdopen(out, "w", buffering=1)
+    sys.stderr = os.fdopen(err, "w", buffering=1)
+
+
+def mark(name: str) -> None:
+    if in_child():
+        (Path(os.environ[CHILD_ENV]) / name).touch()
+
+
+def join(args) -> dict:
+    """Start JAX's distributed runtime when there is a cluster (a no-op otherwise); before any device use."""
+    c = cluster_of(args)
+    if c["source"] == "single":
+        return distributed.initialize(env={})
+    info = distributed.initialize(c["coordinator_address"], c["num_processes"], c["process_id"],
+                                  timeout_s=args.init_timeout, heartbeat_timeout_s=args.heartbeat_timeout) \
+        if c["source"] == "flags" else \
+        distributed.initialize(timeout_s=args.init_timeout, heartbeat_timeout_s=args.heartbeat_timeout)
+    mark("joined")
+    return info
+
+
+def lost_peer(e: Exception) -> str | None:
+    """One line for a collective that failed because another process went away (gloo notices a closed
+    connection before JAX's heartbeat does), else None."""
+    text = str(e)
+    if not in_child() or not any(k in text for k in ("Gloo", "Connection reset", "Connection closed",
+                                                     "Socket closed")):
+        return None
+    c = {"process_id": jax.process_index(), "num_processes": jax.process_count()}
+    detail = next((ln.strip() for ln in text.splitlines() if "error" in ln.lower()), text.splitlines()[0])
+    return (f"process {c['process_id']} of {c['num_processes']} stopped: another process went away during a "
+            f"collective ({detail[-160:]}); the run cannot go on without every process (the lost one's own "
+            "output says why it ended)")
+
+
+def leave(rc: int) -> None:
+    """In a multi-process child: end now. An error in one process must not wait at JAX's shutdown barrier
+    for peers still running (they stop at their next collective, after --heartbeat-timeout)."""
+    mark("ended")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if rc != 0:
+        os._exit(rc)
+    distributed.shutdown()
