@@ -51,6 +51,11 @@ def test_eval_json_equals_transformers(ckpt, tmp_path, capfd):
     ref = reference_perplexity(hf, tok(TEXT * 4)["input_ids"], 32)
     assert r["tokens"] == ref["tokens"]
     assert abs(r["perplexity"] / ref["perplexity"] - 1) < 1e-4
+    # the weights loaded split over 8 devices (each reads its blocks) give the same perplexity
+    for mesh in ("fsdp=8", "data=2,fsdp=4"):
+        m = run_json(capfd, ["eval", "--model", str(d), "--text", str(text), "--seq-len", "32", "--mesh", mesh,
+                             "--batch-size", "3"])
+        assert abs(m["perplexity"] / ref["perplexity"] - 1) < 1e-4 and m["tokens"] == ref["tokens"], mesh
 
 
 def test_eval_names_the_text_it_measured(ckpt, capfd):

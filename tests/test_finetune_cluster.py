@@ -54,6 +54,8 @@ def test_same_adapter_from_2x4_1x8_and_1x1_processes(medium, tmp_path):
     line = re.search(r"memory per device for this step: plan ([\d.]+) GB, XLA ([\d.]+) GB", e0)
     assert line and "memory per device" not in e1, e0[-2000:]
     print(f"\n2x4 log: {line.group(0)}")
+    ratio = float(line.group(2)) / float(line.group(1))  # the planner's stated tolerance (tests/test_plan.py)
+    assert 0.8 < ratio < 1.2, line.group(0)
     # bf16 really: the frozen weights reach the compiled step as 16-bit blocks split 8 ways
     q = r0["frozen_in_step"]["layers/q_proj"] if "layers/q_proj" in r0["frozen_in_step"] else \
         next(v for k, v in r0["frozen_in_step"].items() if k.startswith("layers/q_proj"))

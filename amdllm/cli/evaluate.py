@@ -13,6 +13,7 @@ from amdllm.infer.evaluate import perplexity_of_windows
 from amdllm.infer.generate import load_weights
 from amdllm.infer.protocols import eval_windows
 from amdllm.io.tokenizer import encoder
+from amdllm.parallel.sharding import DEFAULT_RULES, RULES, make_mesh
 
 
 def add_cli(sub) -> None:
@@ -26,6 +27,10 @@ def add_cli(sub) -> None:
     p.add_argument("--seq-len", type=count(2), default=None,
                    help="window length in tokens (default 256, or the model's context if shorter)")
     p.add_argument("--batch-size", type=count(), default=8, help="windows per forward pass")
+    p.add_argument("--mesh", default=None, help="load the weights split over this mesh (e.g. fsdp=8): each "
+                   "device reads only its blocks (default: one device)")
+    p.add_argument("--rules", default=None, choices=sorted(RULES),
+                   help=f"sharding rules preset with --mesh (default {DEFAULT_RULES})")
     p.set_defaults(func=run)
 
 
@@ -57,7 +62,8 @@ def run(args) -> int:
     # tokenized first (a broken tokenizer fails before the weights load), by `tokenizers` itself where the
     # checkpoint has a tokenizer.json: the same ids as transformers, without its import (and torch's)
     wins, report = eval_windows(texts, encoder(path), args.seq_len, args.protocol, rule)
-    model = load_weights(path, args.adapter, args.dtype, args.allow_pickle)
+    mesh = None if args.mesh is None else make_mesh(args.mesh, cfg=LlamaConfig.from_json(path), rules=args.rules)
+    model = load_weights(path, args.adapter, args.dtype, args.allow_pickle, mesh=mesh, rules=args.rules)
     r = {**perplexity_of_windows(model, wins, batch_size=args.batch_size), **source, **report}
     emit(r, args.json, f"perplexity {r['perplexity']:.4f}  (nll {r['nll']:.4f} over {r['tokens']} "
                        f"tokens of {what}, seq_len {args.seq_len}, {args.protocol} protocol)")

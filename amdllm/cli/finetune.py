@@ -135,7 +135,8 @@ def check_plan(args, cfg, mesh, dtype: str, quantized: bool) -> int | None:
     sizes = None if mesh is None else dict(mesh.shape)
     p = plan_run(cfg, devices=1 if mesh is None else mesh.size, device_memory_gb=1.0, mesh=sizes,
                  rules=args.rules, lora_rank=args.rank, lora_targets=tuple(args.targets.split(",")),
-                 batch_size=args.batch_size, seq_len=args.seq_len, dtype=dtype)
+                 batch_size=args.batch_size, seq_len=args.seq_len, dtype=dtype,
+                 accelerator="cpu" if jax.default_backend() == "cpu" else None)
     need = p["total_bytes_remat" if args.remat else "total_bytes"]
     if args.device_memory is not None:
         have, where = args.device_memory * GB, "--device-memory"

@@ -251,9 +251,11 @@ def load_model(model_dir, adapter=None, dtype: str = "float32", allow_pickle: bo
     return load_weights(model_dir, adapter, dtype, allow_pickle), tokenizer, model_dir
 
 
-def load_weights(model_dir, adapter=None, dtype: str = "float32", allow_pickle: bool = False):
-    """The model of `load_model` without its tokenizer (for callers that tokenize with `encode_fast`)."""
+def load_weights(model_dir, adapter=None, dtype: str = "float32", allow_pickle: bool = False, mesh=None,
+                 rules=None):
+    """The model of `load_model` without its tokenizer (for callers that tokenize with `encode_fast`).
+    With a mesh, each device reads only its blocks of the weights (`checkpoint.load(mesh=, rules=)`)."""
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    model = checkpoint.load(model_dir, dtype=DTYPES[dtype], allow_pickle=allow_pickle)
+    model = checkpoint.load(model_dir, dtype=DTYPES[dtype], allow_pickle=allow_pickle, mesh=mesh, rules=rules)
     return load_adapter(model, adapter) if adapter is not None else model

@@ -148,6 +148,14 @@ def global_batch(local_rows, mesh, rules=None):
     return jax.make_array_from_process_local_data(batch_sharding(mesh, rules, local_rows.ndim), local_rows)
 
 
+def from_process_0(x: float) -> float:
+    """Process 0's value of a host number, on every process (a collective with several processes): one
+    figure for all, e.g. a peak measured on each host."""
+    if jax.process_count() == 1:
+        return x
+    return float(np.asarray(multihost_utils.broadcast_one_to_all(np.float32(x))))
+
+
 def gather(x):
     """A (possibly multi-process) global array, or a pytree of them, as numpy on every process (with
     several processes a collective: every process must call it)."""

@@ -15,7 +15,8 @@ Memory per device, by part (GB = 1e9 bytes, as accelerator vendors count):
                 S = sequence length, H = heads, q = H*hd, kv = Hkv*hd, F = MLP width, per layer:
                     b * (4D + 3q + 3kv + 3F)  +  8H
                 (x, two norm outputs, residual; q, k, v and roped q, k, attention output; gate, up
-                and silu(gate)*up (`model.swiglu` recomputes the sigmoid); each attention row's float32
+                and silu(gate)*up (`model.swiglu` recomputes the sigmoid; with LoRA on an MLP projection
+                XLA keeps two more F-wide tensors: 5F, measured); each attention row's float32
                 max and normaliser: `attention.causal_attention` recomputes the probabilities in the
                 backward instead of keeping H*S of them per token), times L layers. With remat
                 (jax.checkpoint per layer) only each layer's input b*D is kept, plus one layer
@@ -27,9 +28,13 @@ Memory per device, by part (GB = 1e9 bytes, as accelerator vendors count):
                 transposed products. Training: IN_FLIGHT_LAYERS x one layer's weights in `dtype` (1.5,
                 calibrated on XLA:CPU float32 steps, unsharded and fsdp=4/8; tests/test_plan.py);
                 inference: one gathered layer under FSDP, none otherwise.
-Not modelled: other XLA temporaries (fusion buffers), allocator fragmentation, eager-mode copies, and
-XLA:CPU's handling of bfloat16, which computes in float32 with widened copies of the weights (a bf16
-step on a CPU measured 1.1-3.4x the plan; on accelerators bf16 is native). `tests/test_plan.py` compares the activation and
+  * on a CPU    (`accelerator="cpu"`, what `finetune` passes there) a bf16/fp16 training step is planned as
+                XLA:CPU runs it: in float32, with widened copies of the weights. Activations are
+                counted in float32, and CPU_NARROW_IN_FLIGHT_LAYERS (2.5) layers are held in float32.
+                Fitted on a 102M-parameter shape: XLA / plan 0.91-1.12 at fsdp=1, 4 and 8 and three
+                batch shapes, but 1.35 at fsdp=2.
+                On accelerators bf16 is native and the formulas above apply as written.
+Not modelled: other XLA temporaries (fusion buffers), allocator fragmentation, eager-mode copies. `tests/test_plan.py` compares the activation and
 total figures with XLA's own `memory_analysis()` and states the tolerance.
 
 FLOPs per token (N = parameters inside matmuls, lm_head included, the embedding lookup not; the
@@ -61,6 +66,7 @@ DEVICE_MEMORY_GB = {"mi300x": 192, "mi325x": 256, "mi250x": 128, "h100": 80, "h2
                     "tpu-v4": 32, "tpu-v5e": 16, "tpu-v5p": 95, "tpu-v6e": 32}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 IN_FLIGHT_LAYERS = 1.5
+CPU_NARROW_IN_FLIGHT_LAYERS = 2.5  # XLA:CPU, a bfloat16/float16 training step: float32 copies of 2.5 layers
 
 
 def _bytes(dtype) -> int:
@@ -153,12 +159,12 @@ def device_memory(device=None) -> tuple[float, str]:
 
 
 def activation_bytes(cfg, *, batch_per_device: float, seq_len: int, tensor: int = 1, dtype="bfloat16",
-                     remat: bool = False, training: bool = True) -> int:
+                     remat: bool = False, training: bool = True, mlp_lora: bool = False) -> int:
     """Activation memory on one device (formula in the module docstring)."""
-    b, D, F, L = _bytes(dtype), cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    b, D, F, L = _bytes(dtype), cfg.hidden_size, cfg.intermediate_size / tensor, cfg.num_hidden_layers
     q, kv, H, V = cfg.q_dim / tensor, cfg.kv_dim / tensor, cfg.num_attention_heads / tensor, cfg.vocab_size
     tokens = batch_per_device * seq_len
-    layer = b * (4 * D + 3 * q + 3 * kv + 3 * F) + 8 * H  # per token
+    layer = b * (4 * D + 3 * q + 3 * kv + (5 if mlp_lora else 3) * F) + 8 * H  # per token
     head = 8 * V / tensor  # float32 logits + log-softmax
     if not training:  # one layer live at a time, nothing kept for a backward pass
         return int(tokens * (4 * H * seq_len + b * (D + q + 2 * kv + F) + 4 * V / tensor))
@@ -195,11 +201,16 @@ def plan(cfg, *, devices: int, device_memory_gb: float, mesh: str | dict | None 
     batch_ways = math.prod(sizes[a] for a in table["batch"])
     bpd = math.ceil(batch_size / batch_ways)  # a batch smaller than the shards still costs one row each
     tensor = math.prod(sizes[a] for a in table.get("heads", ()))
+    mlp_lora = bool(lora_rank) and bool({"gate_proj", "up_proj", "down_proj"} & set(normalize_targets(lora_targets)))
     act = {r: activation_bytes(cfg, batch_per_device=bpd, seq_len=seq_len, tensor=tensor, dtype=dtype,
-                               remat=r, training=training) for r in (False, True)}
+                               remat=r, training=training, mlp_lora=mlp_lora) for r in (False, True)}
     layer = sum(math.prod(shape[1:]) for name, (shape, _) in param_table(cfg).items() if name.startswith("layers/"))
     gathered = any(sizes[a] > 1 for a in table.get("embed", ()))  # FSDP: a layer is gathered to be used
     in_flight = int((IN_FLIGHT_LAYERS if training else float(gathered)) * layer * wb / tensor)
+    if training and accelerator == "cpu" and wb < 4:  # XLA:CPU runs a narrow dtype in float32 (docstring)
+        act = {r: activation_bytes(cfg, batch_per_device=bpd, seq_len=seq_len, tensor=tensor, dtype="float32",
+                                   remat=r, training=training, mlp_lora=mlp_lora) for r in (False, True)}
+        in_flight = int(CPU_NARROW_IN_FLIGHT_LAYERS * layer * 4 / tensor)
     parts = {"weights": weights, "lora": 4 * lora_n, "optimizer": opt, "gradients": grads if training else 0,
              "in_flight": in_flight, "activations": act[False], "activations_remat": act[True]}
     static = weights + parts["lora"] + opt + parts["gradients"] + in_flight

@@ -215,7 +215,7 @@ def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig 
                             "or use a fresh output directory")
     eval_step = make_eval_step(model)
     fpt = flops_per_token(model.cfg, info, tc.seq_len)
-    peak = peak_flops() * n_dev
+    peak = distributed.from_process_0(peak_flops()) * n_dev  # one peak for the run (a CPU's is measured)
     key = jax.random.key(tc.seed)
     evals, losses, last_ckpt = [], [], (list_checkpoints(out) or [None])[-1]
 
