@@ -20,9 +20,9 @@ from amdllm.io.tokenizer import load_tokenizer
 from amdllm.model import lora as lora_mod
 from amdllm.parallel.plan import GB, device_memory
 from amdllm.parallel.plan import plan as plan_run
-from amdllm.parallel.sharding import make_mesh, placement
+from amdllm.parallel.sharding import batch_ways, make_mesh, placement
 from amdllm.train import data as data_mod
-from amdllm.train.loop import TrainConfig, finetune, list_checkpoints, rss_now
+from amdllm.train.loop import TrainConfig, check_run_dir, finetune, list_checkpoints, rss_now
 
 
 def add_cli(sub) -> None:
@@ -72,6 +72,7 @@ def run(args) -> int:
     # before anything is loaded: an earlier adapter or run in --out is replaced only when asked
     check_output_dir(args.out, [model_dir, args.data, args.eval_data], command="finetune", overwrite=args.overwrite,
                      allowed=args.resume and bool(list_checkpoints(args.out)))
+    check_run_dir(args.out, args.steps, args.resume)
     several = cluster_of(args)["source"] != "single"
     if args.merge and several:
         raise ValueError("--merge with several processes: the merged model would be gathered whole into one; "
@@ -92,6 +93,10 @@ def run(args) -> int:
         dtype = "bfloat16" if jax.default_backend() != "cpu" or stored == "bfloat16" else "float32"
     spec = args.mesh or ("auto" if jax.device_count() > 1 else None)
     mesh = make_mesh(spec, cfg=cfg, rules=args.rules) if spec else None
+    if mesh is not None and args.batch_size % batch_ways(mesh, args.rules):
+        raise ValueError(f"--batch-size {args.batch_size} does not split over the mesh's "
+                         f"{batch_ways(mesh, args.rules)} batch shards ({dict(mesh.shape)}): pass a multiple of "
+                         f"{batch_ways(mesh, args.rules)}, or a --mesh with fewer data/fsdp devices")
     planned = check_plan(args, cfg, mesh, dtype, quantized=checkpoint.is_quantized(Path(model_dir),
                                                                                      checkpoint.read_config(Path(model_dir))))
     rss_before = rss_now()

@@ -120,6 +120,23 @@ def remove_leftovers(out: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def check_run_dir(out, steps: int, resume: bool) -> None:
+    """The refusals `finetune` makes about OUT's earlier run, early (before a model is loaded): checkpoints
+    without resume, and a finished run asked to resume."""
+    found = list_checkpoints(out)
+    if found and not resume:
+        raise TrainingError(f"{out}: holds checkpoints of an earlier run; pass resume=True (--resume) "
+                            "or use a fresh output directory")
+    if found and (Path(out) / "adapter_config.json").is_file():
+        try:
+            step = json.loads((found[-1] / "state.json").read_text()).get("step", 0)
+        except (OSError, ValueError):
+            return  # an unreadable checkpoint: the loop falls back past it and says so
+        if step >= steps:
+            raise TrainingError(f"{found[-1]}: this run already finished its {steps} steps; nothing to resume "
+                                f"(its adapter is in {out})")
+
+
 def data_fingerprint(ds: data_mod.Dataset) -> str:
     """sha256 of the laid-out rows: a resume on other data (even with the same row count) is refused."""
     h = hashlib.sha256()
