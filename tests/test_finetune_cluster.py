@@ -72,10 +72,7 @@ def test_same_adapter_from_2x4_1x8_and_1x1_processes(medium, tmp_path):
     assert max(losses.values()) - min(losses.values()) < 2e-3 * losses["1x1"], losses
     ad = {n: load_file(str(tmp_path / n / "adapter_model.safetensors")) for n in runs}
     for other, bound in (("1x8", 0.02), ("1x1", 0.15)):
-        rel = max(np.linalg.norm(ad["2x4"][k] - ad[other][k]) / np.linalg.norm(ad[other][k]) for k in ad[other]
-                  if "lora_B" in k)
-        cos = min(float(np.vdot(ad["2x4"][k], ad[other][k]) / np.linalg.norm(ad["2x4"][k]) /
-                        np.linalg.norm(ad[other][k])) for k in ad[other] if "lora_B" in k)
+        rel, cos = compare(*({k: v for k, v in ad[n].items() if "lora_B" in k} for n in ("2x4", other)))
         print(f"2x4 vs {other}: lora_B relative difference <= {rel:.4f}, cosine >= {cos:.5f}")
         assert rel < bound and cos > 0.99, (other, rel, cos)
     # memory: what loading adds to each process is its share of the weights, not the model
@@ -123,16 +120,39 @@ def check_peft(model_dir, adapter_dir):
     np.testing.assert_allclose(got, want, atol=2e-4, rtol=0)
 
 
-def test_a_lost_process_ends_the_other_with_one_line(small, tmp_path):
-    args = finetune_args(small, tmp_path / "run", "--steps", "100000", "--save-every", "0",
-                         "--heartbeat-timeout", "10", "--init-timeout", "60")
-    metrics = tmp_path / "run" / "metrics.jsonl"  # written by process 0 after each step: training is on
-    runs = launch(args, processes=2, devices=2, timeout=240, kill_when=metrics.is_file, kill=1)
+def test_a_lost_process_ends_the_other_with_one_line_and_the_run_resumes(small, tmp_path):
+    args = finetune_args(small, tmp_path / "run", "--steps", "8", "--heartbeat-timeout", "10", "--init-timeout", "60")
+    first = tmp_path / "run" / "checkpoints" / "step_000002" / "state.json"  # training is on
+    runs = launch(args, processes=2, devices=2, timeout=240, kill_when=first.is_file, kill=1)
     rc, o, e, t = runs[0]
     last = e.strip().splitlines()[-1]
     print(f"\nsurvivor: exit {rc} after {t:.0f} s: {last}")
     assert rc == 1 and "Traceback" not in e and "Check failure" not in e
     assert last.startswith("amdllm finetune: error: process 0 of 2 stopped"), last
+    assert not (tmp_path / "run" / "adapter_model.safetensors").exists()
+    # the same command with --resume, both processes: on from the last checkpoint, to the same adapter as
+    # one process over the same 4-device mesh without a stop
+    (rc0, o0, e0, _), (rc1, _, e1, _) = launch(args + ["--resume"], processes=2, devices=2, timeout=300)
+    assert rc0 == rc1 == 0, (e0[-2000:], e1[-2000:])
+    resumed = json.loads(o0)
+    assert resumed["resumed_from"] >= 2 and resumed["steps"] == 8
+    steps = [json.loads(x).get("step") for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 9)), steps
+    (rc, o, e, _), = launch(finetune_args(small, tmp_path / "whole", "--steps", "8", "--mesh", "fsdp=4"),
+                            processes=1, devices=4, timeout=300)
+    assert rc == 0, e[-2000:]
+    assert abs(json.loads(o)["final_loss"] - resumed["final_loss"]) < 1e-4 * resumed["final_loss"]
+    rel, cos = compare(load_file(str(tmp_path / "run" / "adapter_model.safetensors")),
+                       load_file(str(tmp_path / "whole" / "adapter_model.safetensors")))
+    print(f"resumed 2x2 vs uninterrupted 1x4: relative difference <= {rel:.4f}, cosine >= {cos:.5f}")
+    assert rel < 0.02 and cos > 0.999, (rel, cos)
+
+
+def compare(a: dict, b: dict) -> tuple[float, float]:
+    """(largest relative difference, smallest cosine) over the adapters' tensors."""
+    rel = max(float(np.linalg.norm(a[k] - b[k]) / np.linalg.norm(b[k])) for k in b)
+    cos = min(float(np.vdot(a[k], b[k]) / np.linalg.norm(a[k]) / np.linalg.norm(b[k])) for k in b)
+    return rel, cos
 
 
 @pytest.mark.parametrize("case", ["nobody answers", "one of two started"])

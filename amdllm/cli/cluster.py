@@ -89,22 +89,29 @@ def supervise(argv: list[str], prefix: str, args) -> int:
     log = work / "native.log"
     if not (work / "joined").is_file():
         where = c["coordinator_address"] or "the address SLURM / Open MPI gives"
-        msg = (f"{who} could not join the run within --init-timeout {args.init_timeout} s: the coordinator "
-               f"{where} did not answer, or fewer than {c['num_processes'] or 'all'} processes started")
+        if c["process_id"] == 0:  # process 0 is the coordinator: it waited for the others
+            msg = (f"{who} could not join the run within --init-timeout {args.init_timeout} s: it is the "
+                   f"coordinator ({where}), and fewer than {c['num_processes'] or 'all'} processes joined it")
+        else:
+            msg = (f"{who} could not join the run within --init-timeout {args.init_timeout} s: the coordinator "
+                   f"{where} did not answer, or fewer than {c['num_processes'] or 'all'} processes started")
     else:
-        msg = (f"{who} stopped: {_reason(log)}; the run cannot go on without every process (the lost one's own "
-               f"output says why it ended)")
+        msg = (f"{who} stopped: {_reason(log, rc)}; the run cannot go on without every process (the lost one's "
+               f"own output says why it ended)")
     print(f"{prefix}: error: {msg} (JAX's log: {log})", file=sys.stderr)
     return 1
 
 
-def _reason(log: Path) -> str:
+def _reason(log: Path, rc: int) -> str:
     text = log.read_text(errors="replace") if log.is_file() else ""
     if "stopped sending heartbeats" in text:
         return "another process stopped answering (no heartbeat within --heartbeat-timeout)"
     if "Socket closed" in text or "UNAVAILABLE" in text or "Connection reset" in text:
         return "the connection to another process (or to the coordinator, process 0) was lost"
-    return "JAX's distributed runtime ended it"
+    if rc < 0:
+        name = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else str(-rc)
+        return f"it was ended by {name} (out of memory, or the scheduler, or a user)"
+    return f"it ended with status {rc} without saying why"
 
 
 # --------------------------------------------------------------------------------------------------

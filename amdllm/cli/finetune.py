@@ -97,8 +97,8 @@ def run(args) -> int:
         raise ValueError(f"--batch-size {args.batch_size} does not split over the mesh's "
                          f"{batch_ways(mesh, args.rules)} batch shards ({dict(mesh.shape)}): pass a multiple of "
                          f"{batch_ways(mesh, args.rules)}, or a --mesh with fewer data/fsdp devices")
-    planned = check_plan(args, cfg, mesh, dtype, quantized=checkpoint.is_quantized(Path(model_dir),
-                                                                                     checkpoint.read_config(Path(model_dir))))
+    quantized = checkpoint.is_quantized(Path(model_dir), checkpoint.read_config(Path(model_dir)))
+    planned = check_plan(args, cfg, mesh, dtype, quantized)
     rss_before = rss_now()
     # the frozen base straight into the mesh, in the dtype asked for: each device reads only its blocks;
     # LoRA factors and AdamW state are float32, created already split (amdllm.model.lora)
