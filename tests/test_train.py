@@ -221,6 +221,18 @@ def test_cli_finetune_writes_peft_adapter_metrics_and_merged_checkpoint(tmp_path
     res = json.loads(capsys.readouterr().out)  # exactly one JSON object on stdout
     assert res["steps"] == 3 and res["merged_dir"] == str(out / "merged")
     assert len(train.read_metrics(out / "metrics.jsonl")) == 3
+    # the plan is the run: `amdllm plan` with the same options gives the figure finetune printed beside XLA's
+    assert cli.main(["plan", "--model", str(ckpt), "--devices", "1", "--mesh", "fsdp=1", "--accelerator", "cpu",
+                     "--device-memory", "16", "--dtype", "float32", "--rank", "4", "--targets", "q,v,down",
+                     "--batch-size", "4", "--seq-len", "64", "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert planned["total_bytes"] == res["memory"]["plan_bytes_per_device"]
+    assert 0.8 < res["memory"]["xla_bytes_per_device"] / planned["total_bytes"] < 1.25, res["memory"]
+    # a run the plan says cannot fit is refused before any weight is read
+    rc = cli.main(["finetune", "--model", str(ckpt), "--data", str(tmp_path / "d.jsonl"), "--out",
+                   str(tmp_path / "nofit"), "--device-memory", "0.001", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "the plan needs" in err and "--device-memory" in err and not (tmp_path / "nofit").exists()
     tokens = torch.tensor(np.random.default_rng(0).integers(3, 1152, (2, 10)))
     with torch.no_grad():
         base_logits = hf(tokens).logits.numpy()  # before PEFT injects the adapter into `hf` in place
