@@ -9,7 +9,6 @@ Every child is killed in `finally`, whatever happens.
 """
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import jax
 import numpy as np
 import pytest
 
+from amdllm.course.cluster import free_port
 from amdllm.io import checkpoint
 from amdllm.parallel import distributed
 from amdllm.config import LlamaConfig
@@ -29,16 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 CHILD = ROOT / "tests" / "dist_child.py"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(mode, nproc, ndev, ckpt, out, timeout=150):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("XLA_FLAGS", None)
-    port = _free_port()
+    port = free_port()
     procs = []
     try:
         for pid in range(nproc):

@@ -20,9 +20,10 @@ from amdllm.io.tokenizer import load_tokenizer
 from amdllm.model import lora as lora_mod
 from amdllm.parallel.plan import GB, device_memory
 from amdllm.parallel.plan import plan as plan_run
-from amdllm.parallel.sharding import batch_ways, make_mesh, placement
+from amdllm.parallel.sharding import make_mesh, placement
 from amdllm.train import data as data_mod
-from amdllm.train.loop import TrainConfig, check_run_dir, finetune, list_checkpoints, rss_now
+from amdllm.train.loop import (TrainConfig, check_batch_splits, check_run_dir, finetune, list_checkpoints,
+                               rss_now)
 
 
 def add_cli(sub) -> None:
@@ -93,10 +94,7 @@ def run(args) -> int:
         dtype = "bfloat16" if jax.default_backend() != "cpu" or stored == "bfloat16" else "float32"
     spec = args.mesh or ("auto" if jax.device_count() > 1 else None)
     mesh = make_mesh(spec, cfg=cfg, rules=args.rules) if spec else None
-    if mesh is not None and args.batch_size % batch_ways(mesh, args.rules):
-        raise ValueError(f"--batch-size {args.batch_size} does not split over the mesh's "
-                         f"{batch_ways(mesh, args.rules)} batch shards ({dict(mesh.shape)}): pass a multiple of "
-                         f"{batch_ways(mesh, args.rules)}, or a --mesh with fewer data/fsdp devices")
+    check_batch_splits(args.batch_size, mesh, args.rules)
     quantized = checkpoint.is_quantized(Path(model_dir), checkpoint.read_config(Path(model_dir)))
     planned = check_plan(args, cfg, mesh, dtype, quantized)
     rss_before = rss_now()

@@ -202,14 +202,14 @@ def plan(cfg, *, devices: int, device_memory_gb: float, mesh: str | dict | None 
     bpd = math.ceil(batch_size / batch_ways)  # a batch smaller than the shards still costs one row each
     tensor = math.prod(sizes[a] for a in table.get("heads", ()))
     mlp_lora = bool(lora_rank) and bool({"gate_proj", "up_proj", "down_proj"} & set(normalize_targets(lora_targets)))
-    act = {r: activation_bytes(cfg, batch_per_device=bpd, seq_len=seq_len, tensor=tensor, dtype=dtype,
-                               remat=r, training=training, mlp_lora=mlp_lora) for r in (False, True)}
+    cpu_narrow = training and accelerator == "cpu" and wb < 4  # XLA:CPU runs a narrow dtype in float32
+    act = {r: activation_bytes(cfg, batch_per_device=bpd, seq_len=seq_len, tensor=tensor,
+                               dtype="float32" if cpu_narrow else dtype, remat=r, training=training,
+                               mlp_lora=mlp_lora) for r in (False, True)}
     layer = sum(math.prod(shape[1:]) for name, (shape, _) in param_table(cfg).items() if name.startswith("layers/"))
     gathered = any(sizes[a] > 1 for a in table.get("embed", ()))  # FSDP: a layer is gathered to be used
     in_flight = int((IN_FLIGHT_LAYERS if training else float(gathered)) * layer * wb / tensor)
-    if training and accelerator == "cpu" and wb < 4:  # XLA:CPU runs a narrow dtype in float32 (docstring)
-        act = {r: activation_bytes(cfg, batch_per_device=bpd, seq_len=seq_len, tensor=tensor, dtype="float32",
-                                   remat=r, training=training, mlp_lora=mlp_lora) for r in (False, True)}
+    if cpu_narrow:  # float32 copies of the widened weights (docstring)
         in_flight = int(CPU_NARROW_IN_FLIGHT_LAYERS * layer * 4 / tensor)
     parts = {"weights": weights, "lora": 4 * lora_n, "optimizer": opt, "gradients": grads if training else 0,
              "in_flight": in_flight, "activations": act[False], "activations_remat": act[True]}

@@ -137,6 +137,13 @@ def check_run_dir(out, steps: int, resume: bool) -> None:
                                 f"(its adapter is in {out})")
 
 
+def check_batch_splits(batch_size: int, mesh, rules=None) -> None:
+    if mesh is not None and batch_size % batch_ways(mesh, rules):
+        raise TrainingError(f"--batch-size {batch_size} does not split over the mesh's "
+                            f"{batch_ways(mesh, rules)} batch shards ({dict(mesh.shape)}): pass a multiple of "
+                            f"{batch_ways(mesh, rules)}, or a --mesh with fewer data/fsdp devices")
+
+
 def data_fingerprint(ds: data_mod.Dataset) -> str:
     """sha256 of the laid-out rows: a resume on other data (even with the same row count) is refused."""
     h = hashlib.sha256()
@@ -180,10 +187,8 @@ def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig 
             raise TrainingError(f"the {name} data holds token id {int(ds.tokens.max())}, outside the model's "
                                 f"vocabulary [0, {model.cfg.vocab_size}): the tokenizer does not belong to "
                                 "this model")
-    if mesh is not None and tc.batch_size % batch_ways(mesh, rules):
-        raise TrainingError(f"--batch-size {tc.batch_size} does not split over the mesh's "
-                            f"{batch_ways(mesh, rules)} batch shards ({dict(mesh.shape)}): pass a multiple of "
-                            f"{batch_ways(mesh, rules)}, or a --mesh with fewer data/fsdp devices")
+    check_batch_splits(tc.batch_size, mesh, rules)
+    check_run_dir(out, tc.steps, resume)
     if task_rows and jax.process_count() > 1:
         warnings.warn("exact match needs generation, which runs in one process: skipped in this "
                       f"{jax.process_count()}-process run (the held-out loss is still measured); score the "
@@ -227,9 +232,6 @@ def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig 
         if metrics_path.is_file():  # drop lines logged after the checkpoint: they will be redone
             metrics_lines = [l for l in metrics_path.read_text().splitlines()
                              if l.strip() and json.loads(l).get("step", 0) <= start]
-    elif list_checkpoints(out) and not resume:
-        raise TrainingError(f"{out}: holds checkpoints of an earlier run; pass resume=True (--resume) "
-                            "or use a fresh output directory")
     eval_step = make_eval_step(model)
     fpt = flops_per_token(model.cfg, info, tc.seq_len)
     peak = distributed.from_process_0(peak_flops()) * n_dev  # one peak for the run (a CPU's is measured)
