@@ -14,6 +14,7 @@ from amdllm.cli.common import add_pickle_arg, add_run_shape_args, count, emit, n
 from amdllm.cli.common import model_dir as resolve_model_dir
 from amdllm.config import LlamaConfig
 from amdllm.io import checkpoint
+from amdllm.io.gptq_format import read_quant_config
 from amdllm.files import atomic_write_text, check_output_dir
 from amdllm.io.templates import TEMPLATE_FILE, use_chat_template
 from amdllm.io.tokenizer import load_tokenizer
@@ -75,6 +76,14 @@ def run(args) -> int:
                      allowed=args.resume and bool(list_checkpoints(args.out)))
     check_run_dir(args.out, args.steps, args.resume)
     several = cluster_of(args)["source"] != "single"
+    # a GPTQ base (QLoRA): its quantization config is checked here, before the data and the weights
+    quant = (read_quant_config(Path(model_dir))
+             if checkpoint.is_quantized(Path(model_dir), checkpoint.read_config(Path(model_dir))) else None)
+    if args.merge and quant:
+        raise ValueError(f"--merge with a quantized base ({model_dir} is GPTQ {quant['bits']}-bit): the adapter "
+                         "cannot be folded into packed integer weights; merge it into the full-precision model "
+                         "and quantize the result, or serve the adapter on the GPTQ model "
+                         "(`amdllm serve --model GPTQ_DIR --adapter OUT`)")
     if args.merge and several:
         raise ValueError("--merge with several processes: the merged model would be gathered whole into one; "
                          "merge the adapter afterwards in one process (docs/cli.md, 'Several processes')")
@@ -95,8 +104,7 @@ def run(args) -> int:
     spec = args.mesh or ("auto" if jax.device_count() > 1 else None)
     mesh = make_mesh(spec, cfg=cfg, rules=args.rules) if spec else None
     check_batch_splits(args.batch_size, mesh, args.rules)
-    quantized = checkpoint.is_quantized(Path(model_dir), checkpoint.read_config(Path(model_dir)))
-    planned = check_plan(args, cfg, mesh, dtype, quantized)
+    planned = check_plan(args, cfg, mesh, dtype, quant)
     rss_before = rss_now()
     # the frozen base straight into the mesh, in the dtype asked for: each device reads only its blocks;
     # LoRA factors and AdamW state are float32, created already split (amdllm.model.lora)
@@ -130,16 +138,15 @@ def run(args) -> int:
     return 0
 
 
-def check_plan(args, cfg, mesh, dtype: str, quantized: bool) -> int | None:
+def check_plan(args, cfg, mesh, dtype: str, quant: dict | None) -> int:
     """The planner's per-device bytes for this run; a run the plan says cannot fit is refused before any
-    weight is read. (A GPTQ base is not planned here: its packed weights are not in the planner's table.)"""
-    if quantized:
-        return None
+    weight is read. quant: a GPTQ base's quantization config (QLoRA: the packed bytes are planned)."""
     sizes = None if mesh is None else dict(mesh.shape)
     p = plan_run(cfg, devices=1 if mesh is None else mesh.size, device_memory_gb=1.0, mesh=sizes,
                  rules=args.rules, lora_rank=args.rank, lora_targets=tuple(args.targets.split(",")),
                  batch_size=args.batch_size, seq_len=args.seq_len, dtype=dtype,
-                 accelerator="cpu" if jax.default_backend() == "cpu" else None)
+                 accelerator="cpu" if jax.default_backend() == "cpu" else None,
+                 bits=quant and quant["bits"], group_size=quant["group_size"] if quant else 128)
     need = p["total_bytes_remat" if args.remat else "total_bytes"]
     if args.device_memory is not None:
         have, where = args.device_memory * GB, "--device-memory"

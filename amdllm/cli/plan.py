@@ -5,7 +5,9 @@ from pathlib import Path
 
 from amdllm.cli.common import add_run_shape_args, count, emit, model_dir, number
 from amdllm.config import PRESETS, LlamaConfig
-from amdllm.parallel.plan import DEVICE_MEMORY_GB, DTYPE_BYTES, PEAK_BF16_TFLOPS, format_plan, plan
+from amdllm.io.checkpoint import is_quantized, read_config
+from amdllm.io.gptq_format import read_quant_config
+from amdllm.parallel.plan import DEVICE_MEMORY_GB, DTYPE_BYTES, PEAK_BF16_TFLOPS, fewest_devices, format_plan, plan
 
 
 def add_cli(sub) -> None:
@@ -21,6 +23,14 @@ def add_cli(sub) -> None:
     p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
     p.add_argument("--dtype", default="auto", choices=("auto",) + tuple(DTYPE_BYTES),
                    help="frozen weights and compute (auto: bfloat16, what finetune uses on an accelerator)")
+    p.add_argument("--bits", type=int, choices=(2, 4, 8), default=None,
+                   help="a GPTQ-packed base (QLoRA): projections at this many bits (default: a GPTQ --model "
+                        "directory's own; otherwise unquantized)")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="GPTQ group size with --bits (default: the directory's, else 128; -1: one group)")
+    p.add_argument("--fewest-devices", action="store_true",
+                   help="also find the fewest devices (an fsdp=N mesh, the rules' batch split) on which this "
+                        "run fits, with and without --remat")
     p.add_argument("--tokens-per-second", type=number(0, above=True), default=None,
                    help="also report the MFU this implies")
     p.add_argument("--json", action="store_true")
@@ -37,6 +47,16 @@ def run(args) -> int:
                          "checkpoint directory")
     else:
         cfg = LlamaConfig.from_json(args.model)
+    bits, group_size = args.bits, args.group_size
+    if args.model and Path(args.model).is_dir() and is_quantized(Path(args.model), read_config(Path(args.model))):
+        qc = read_quant_config(Path(args.model))
+        bits = qc["bits"] if bits is None else bits
+        group_size = qc["group_size"] if group_size is None else group_size
+    if group_size is not None and bits is None:
+        raise ValueError("--group-size needs --bits (or a GPTQ --model directory)")
+    group_size = 128 if group_size is None else group_size
+    if group_size not in (-1,) and group_size < 1:
+        raise ValueError(f"--group-size {group_size}: expected a positive number of input rows, or -1")
     acc = args.accelerator.lower()
     mem = args.device_memory if args.device_memory is not None else DEVICE_MEMORY_GB.get(acc)
     if mem is None:
@@ -44,9 +64,20 @@ def run(args) -> int:
     p = plan(cfg, devices=args.devices, device_memory_gb=mem, mesh=args.mesh, rules=args.rules,
              lora_rank=args.rank, lora_targets=tuple(args.targets.split(",")),
              full_finetune=args.full_finetune, batch_size=args.batch_size, seq_len=args.seq_len,
-             dtype="bfloat16" if args.dtype == "auto" else args.dtype, optimizer=args.optimizer, accelerator=acc, tokens_per_s=args.tokens_per_second)
+             dtype="bfloat16" if args.dtype == "auto" else args.dtype, optimizer=args.optimizer, accelerator=acc,
+             tokens_per_s=args.tokens_per_second, bits=bits, group_size=group_size)
     p["model"] = args.model or "default"
     p["remat"] = args.remat
     p["fits_as_run"] = p["fits_remat" if args.remat else "fits"]
-    emit(p, args.json, format_plan(p))
+    human = format_plan(p)
+    if args.fewest_devices:
+        shape = dict(lora_rank=args.rank, lora_targets=tuple(args.targets.split(",")), full_finetune=args.full_finetune,
+                     batch_size=args.batch_size, seq_len=args.seq_len, optimizer=args.optimizer, bits=bits,
+                     group_size=group_size, dtype="bfloat16" if args.dtype == "auto" else args.dtype, rules=args.rules)
+        p["fewest_devices"] = {key: fewest_devices(cfg, mem, remat=r, **shape) for key, r in
+                               (("without_remat", False), ("with_remat", True))}
+        f = p["fewest_devices"]
+        human += (f"\nfewest {acc} devices ({mem:g} GB, fsdp=N): {f['without_remat'] or 'none up to 1024'} without "
+                  f"remat, {f['with_remat'] or 'none up to 1024'} with remat")
+    emit(p, args.json, human)
     return 0

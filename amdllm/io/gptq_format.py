@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 from safetensors.numpy import save as st_save
 
 from amdllm.config import LlamaConfig
@@ -31,7 +32,8 @@ from amdllm.io.safetensors import CheckpointError, load_tensors
 from amdllm.io.tokenizer import copy_tokenizer
 from amdllm.model.llama import Llama, param_table
 from amdllm.model.quantized import (FORMAT_BITS, QUANT_KEYS, QuantFormatError, QuantLinear,  # noqa: F401
-                                    check_bits, infer_bits, pack_cols, unpack_cols)
+                                    check_bits, infer_bits, pack_cols, packed_logical_axes, unpack_cols)
+from amdllm.parallel.sharding import PACKED_GROUPED, activation_sharding, logical_to_spec, put
 
 PROJECTIONS = tuple(HF_PARENT)
 
@@ -80,7 +82,8 @@ def read_quant_config(path: Path) -> dict:
         raise QuantFormatError(f"{path}: no quantization_config in config.json and no quantize_config.json")
     method = qc.get("quant_method", "gptq")
     if method != "gptq":
-        raise QuantFormatError(f"{src}: quant_method {method!r} is not supported (expected 'gptq')")
+        raise QuantFormatError(f"{src}: quant_method {method!r} is not supported (expected 'gptq'); quantize the "
+                               "full-precision model with `amdllm quantize` (GPTQ) instead")
     fmt = qc.get("checkpoint_format") or qc.get("format") or "gptq"
     if fmt not in ("gptq", "gptq_v2"):
         raise QuantFormatError(f"{src}: checkpoint_format {fmt!r} is unknown; expected 'gptq' or 'gptq_v2'")
@@ -190,8 +193,12 @@ def load_quantized(path, *, dtype=jnp.float32, compute_dtype=None, mesh=None, ru
     """A GPTQ (or dense) HF Llama directory -> `Llama` with QuantLinear projections (packed, on device).
 
     dtype: for the non-quantized tensors (embeddings, norms, lm_head, dense projections);
-    compute_dtype: the activations' dtype (default: dtype). Sharding arguments are accepted for
-    checkpoint.load's signature; quantized weights are placed on the default device.
+    compute_dtype: the activations' dtype (default: dtype). With `mesh` (+ `rules`) every tensor is split
+    as the rules say, the packed ones too: qweight [K/p, N] and g_idx [K] along the kernel's input and
+    output axes, scales and qzeros [groups, N] along the output axis and, where the group count splits,
+    the input axis (`amdllm.parallel.sharding.PACKED_GROUPED`). Each device receives only its blocks;
+    the host reads the packed tensors whole once (a 4-bit base is a quarter of the bf16 one).
+    `shardings` is accepted for checkpoint.load's signature and ignored.
     """
     path = Path(path)
     cfg = LlamaConfig.from_json(path)
@@ -202,17 +209,30 @@ def load_quantized(path, *, dtype=jnp.float32, compute_dtype=None, mesh=None, ru
     model = Llama.abstract(cfg, param_dtype=dtype, dtype=compute_dtype or dtype, remat=remat)
     table = param_table(cfg)
     L, D, V = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size
+    if mesh is not None:
+        model.act_sharding = activation_sharding(mesh, rules)  # activations split by batch
 
-    def put(owner, attr, arr, axes):
-        setattr(owner, attr, nnx.Param(jnp.asarray(arr, dtype), axes=axes))
+    def place(name, host, axes):
+        """host array -> a jax array, split over the mesh by its logical axes when there is one."""
+        if mesh is None:
+            return jnp.asarray(host)
+        grouped = name.rsplit("/", 1)[-1] in PACKED_GROUPED
+        spec = logical_to_spec(axes, rules, shape=host.shape, mesh=mesh, strict=not grouped, warn=False,
+                               name=name)
+        return put(host, NamedSharding(mesh, spec))
 
-    put(model, "embed_tokens", _get(t, "model.embed_tokens.weight", (V, D), path), table["embed_tokens"][1])
-    put(model, "norm", _get(t, "model.norm.weight", (D,), path), table["norm"][1])
+    def put_param(owner, attr, name, arr, axes):
+        host = np.asarray(arr).astype(jnp.dtype(dtype))
+        setattr(owner, attr, nnx.Param(place(name, host, axes), axes=axes))
+
+    put_param(model, "embed_tokens", "embed_tokens", _get(t, "model.embed_tokens.weight", (V, D), path),
+              table["embed_tokens"][1])
+    put_param(model, "norm", "norm", _get(t, "model.norm.weight", (D,), path), table["norm"][1])
     if "lm_head" in table:
-        put(model, "lm_head", _get(t, "lm_head.weight", (V, D), path).T, table["lm_head"][1])
+        put_param(model, "lm_head", "lm_head", _get(t, "lm_head.weight", (V, D), path).T, table["lm_head"][1])
     for nm in ("input_layernorm", "post_attention_layernorm"):
         rows = [_get(t, f"model.layers.{i}.{nm}.weight", (D,), path) for i in range(L)]
-        put(model.layers, nm, np.stack(rows), table["layers/" + nm][1])
+        put_param(model.layers, nm, "layers/" + nm, np.stack(rows), table["layers/" + nm][1])
     for proj in PROJECTIONS:
         (_, K, N), axes = table["layers/" + proj]
         kinds = {i: (hf_proj(i, proj) + ".qweight") in t for i in range(L)}
@@ -224,9 +244,11 @@ def load_quantized(path, *, dtype=jnp.float32, compute_dtype=None, mesh=None, ru
                 raise QuantFormatError(f"{path}: {hf_proj(0, proj)}.qweight present but config.json has no "
                                        "quantization_config")
             per = [_load_quant_proj(t, hf_proj(i, proj), K, N, qc, path) for i in range(L)]
-            stk = {k: jnp.asarray(np.stack([d[k] for d in per])) for k in QUANT_KEYS}
-            setattr(model.layers, proj, QuantLinear(**stk))
+            packed_axes = packed_logical_axes(axes)
+            stk = {k: place(f"layers/{proj}/{k}", np.stack([d[k] for d in per]), packed_axes[k])
+                   for k in QUANT_KEYS}
+            setattr(model.layers, proj, QuantLinear(**stk, axes=packed_axes))
         else:
             rows = [_get(t, hf_proj(i, proj) + ".weight", (N, K), path).T for i in range(L)]
-            put(model.layers, proj, np.stack(rows), axes)
+            put_param(model.layers, proj, "layers/" + proj, np.stack(rows), axes)
     return model

@@ -11,6 +11,7 @@ Supported: 2, 4 and 8 bits (3-bit's 10-1-10-1-10 packing is not implemented).
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -27,12 +28,22 @@ class QuantTensor(nnx.Variable):
     """Packed GPTQ data: not an nnx.Param, so LoRA filters and parameter counts treat it as frozen."""
 
 
-class QuantLinear(nnx.Module):
-    """A stacked quantized projection: qweight [L,K/p,N], qzeros [L,n_g,N/p], scales [L,n_g,N], g_idx [L,K]."""
+def packed_logical_axes(kernel_axes) -> dict:
+    """The logical axes of a stacked kernel's packed tensors, from the kernel's (layers, in, out): the
+    packed words and g_idx run along `in`, and each group is a block of `in` rows."""
+    la, ia, oa = kernel_axes
+    return {"qweight": (la, ia, oa), "qzeros": (la, ia, oa), "scales": (la, ia, oa), "g_idx": (la, ia)}
 
-    def __init__(self, qweight, qzeros, scales, g_idx):
-        self.qweight, self.qzeros = QuantTensor(qweight), QuantTensor(qzeros)
-        self.scales, self.g_idx = QuantTensor(scales), QuantTensor(g_idx)
+
+class QuantLinear(nnx.Module):
+    """A stacked quantized projection: qweight [L,K/p,N], qzeros [L,n_g,N/p], scales [L,n_g,N], g_idx [L,K].
+    axes: {name: logical axes} (`packed_logical_axes`), so a mesh splits the packed base like a dense one."""
+
+    def __init__(self, qweight, qzeros, scales, g_idx, axes: dict | None = None):
+        axes = axes or {}
+        meta = lambda k: {"axes": axes[k]} if k in axes else {}  # noqa: E731
+        self.qweight, self.qzeros = QuantTensor(qweight, **meta("qweight")), QuantTensor(qzeros, **meta("qzeros"))
+        self.scales, self.g_idx = QuantTensor(scales, **meta("scales")), QuantTensor(g_idx, **meta("g_idx"))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -41,7 +52,8 @@ class QuantLinear(nnx.Module):
 def check_bits(bits: int, what: str = "bits") -> int:
     if bits not in FORMAT_BITS:
         raise QuantFormatError(f"{what}={bits} is not supported by the packed format; expected one of "
-                               f"{FORMAT_BITS} (3-bit packing is not implemented)")
+                               f"{FORMAT_BITS} (3-bit packing is not implemented): quantize the full-precision "
+                               "model at 4 bits instead (`amdllm quantize --bits 4`)")
     return 32 // bits
 
 
@@ -103,5 +115,27 @@ def dequantize(q: dict, dtype=jnp.float32):
 
 
 def quantized_matmul(x2d, q: dict, dtype=jnp.float32):
-    """x2d [M, K] @ dequant(q) [K, N] -> [M, N]. Dequantizes per group on the fly (XLA fuses it)."""
-    return jnp.dot(x2d.astype(dtype), dequantize(q, dtype))
+    """x2d [M, K] @ dequant(q) [K, N] -> [M, N], the kernel dequantized inside the caller's jit.
+
+    Differentiable in x2d only (QLoRA: the packed base is frozen). The backward dequantizes the kernel
+    again for dx = dy @ W^T instead of keeping it: autodiff would save each layer's dense W as a residual,
+    which the layer scan stacks into a dense copy of the whole base."""
+    return _qmm(x2d.astype(dtype), q)
+
+
+@jax.custom_vjp
+def _qmm(x2d, q):
+    return jnp.dot(x2d, dequantize(q, x2d.dtype))                # [M, N]
+
+
+def _qmm_fwd(x2d, q):
+    return _qmm(x2d, q), (q, jnp.zeros((0,), x2d.dtype))        # the packed words only (and x's dtype)
+
+
+def _qmm_bwd(res, dy):
+    q, like = res
+    dx = jnp.dot(dy.astype(like.dtype), dequantize(q, like.dtype).T)  # [M, K]
+    return dx, jax.tree.map(lambda a: None, q)
+
+
+_qmm.defvjp(_qmm_fwd, _qmm_bwd)

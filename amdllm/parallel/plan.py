@@ -3,6 +3,10 @@
 Memory per device, by part (GB = 1e9 bytes, as accelerator vendors count):
   * weights     every parameter of `param_table`, in `dtype`, divided as the rules table splits it over
                 the mesh (exactly the shardings `amdllm.parallel.sharding` gives; norms stay replicated).
+                With `bits` (a GPTQ base, QLoRA), the seven projections are counted packed as they are
+                held: qweight K*N*bits/8, int32 g_idx 4K, and per group of `group_size` input rows
+                float16 scales 2N and packed zeros N*bits/8, split like the kernel (groups replicated
+                where their count does not split); embeddings, norms and head stay in `dtype`.
   * lora        rank-r factors A [L, in, r], B [L, r, out] per target, float32 (trainable copies are
                 kept in float32 whatever the base dtype), split by the same rules.
   * optimizer   optax AdamW keeps two moments (mu, nu) per trainable parameter in its dtype: 8 bytes
@@ -27,7 +31,8 @@ Memory per device, by part (GB = 1e9 bytes, as accelerator vendors count):
                 (split only over `tensor`), and the backward pass also holds a copy laid out for the
                 transposed products. Training: IN_FLIGHT_LAYERS x one layer's weights in `dtype` (1.5,
                 calibrated on XLA:CPU float32 steps, unsharded and fsdp=4/8; tests/test_plan.py);
-                inference: one gathered layer under FSDP, none otherwise.
+                inference: one gathered layer under FSDP, none otherwise. A packed layer is dequantized
+                into the same dense copies, so QLoRA counts them alike.
   * on a CPU    (`accelerator="cpu"`, what `finetune` passes there) a bf16/fp16 training step is planned as
                 XLA:CPU runs it: in float32, with widened copies of the weights. Activations are
                 counted in float32, and CPU_NARROW_IN_FLIGHT_LAYERS (2.5) layers are held in float32.
@@ -53,7 +58,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from amdllm.model import param_table
+from amdllm.model import PROJECTIONS, param_table
+from amdllm.model.quantized import check_bits, packed_logical_axes
 from amdllm.model.lora import normalize_targets
 import amdllm.parallel.sharding as S
 
@@ -76,9 +82,9 @@ def _bytes(dtype) -> int:
     return DTYPE_BYTES[name]
 
 
-def _local(shape, axes, sizes, rules) -> int:
+def _local(shape, axes, sizes, rules, warn: bool = True) -> int:
     """Elements of an array of `shape` with logical `axes` held by one device."""
-    spec = S.logical_to_spec(axes, rules, shape=shape, mesh=sizes, strict=False, name="planned")
+    spec = S.logical_to_spec(axes, rules, shape=shape, mesh=sizes, strict=False, warn=warn, name="planned")
     n = math.prod(shape)
     for s in spec:
         for a in (() if s is None else ((s,) if isinstance(s, str) else s)):
@@ -94,6 +100,39 @@ def lora_shapes(cfg, rank: int, targets) -> dict:
         out[f"layers/{name}_lora_a"] = ((L, d_in, rank), (la, ia, "lora_rank"))
         out[f"layers/{name}_lora_b"] = ((L, rank, d_out), (la, "lora_rank", oa))
     return out
+
+
+def packed_shapes(cfg, bits: int, group_size: int) -> dict:
+    """name -> (shape, logical axes, bytes per element) of every tensor a GPTQ base holds for its seven
+    projections (`amdllm.model.quantized`: qweight, qzeros, scales, g_idx per stacked kernel)."""
+    p = check_bits(bits)
+    out = {}
+    for name, (shape, axes) in param_table(cfg).items():
+        if name.rsplit("/", 1)[-1] not in PROJECTIONS:
+            continue
+        L, K, N = shape
+        ng = 1 if group_size in (-1, 0) or group_size >= K else -(-K // group_size)
+        pa = packed_logical_axes(axes)
+        out.update({f"{name}/qweight": ((L, K // p, N), pa["qweight"], 4),
+                    f"{name}/qzeros": ((L, ng, N // p), pa["qzeros"], 4),
+                    f"{name}/scales": ((L, ng, N), pa["scales"], 2),
+                    f"{name}/g_idx": ((L, K), pa["g_idx"], 4)})
+    return out
+
+
+def weight_bytes(cfg, sizes, rules, dtype, bits: int | None = None, group_size: int = 128) -> int:
+    """Bytes of the base weights on one device: every parameter in `dtype`, or with `bits` the
+    projections packed (`packed_shapes`) and the rest in `dtype`."""
+    wb = _bytes(dtype)
+    total = 0
+    for name, (shape, axes) in param_table(cfg).items():
+        if bits and name.rsplit("/", 1)[-1] in PROJECTIONS:
+            continue
+        total += _local(shape, axes, sizes, rules) * wb
+    if bits:
+        for name, (shape, axes, nb) in packed_shapes(cfg, bits, group_size).items():
+            total += _local(shape, axes, sizes, rules, warn=False) * nb
+    return total
 
 
 def matmul_params(cfg) -> int:
@@ -175,13 +214,21 @@ def activation_bytes(cfg, *, batch_per_device: float, seq_len: int, tensor: int 
 def plan(cfg, *, devices: int, device_memory_gb: float, mesh: str | dict | None = None, rules=None,
          lora_rank: int = 0, lora_targets=("q", "k", "v", "o"), full_finetune: bool = False,
          batch_size: int = 1, seq_len: int = 2048, dtype="bfloat16", optimizer: str = "adamw",
-         accelerator: str | None = None, tokens_per_s: float | None = None) -> dict:
-    """Memory per device by part, whether it fits, FLOPs per token and (given tokens/s) MFU."""
+         accelerator: str | None = None, tokens_per_s: float | None = None, bits: int | None = None,
+         group_size: int = 128) -> dict:
+    """Memory per device by part, whether it fits, FLOPs per token and (given tokens/s) MFU.
+    bits: a GPTQ-packed base (2, 4 or 8 bits, groups of `group_size` input rows, -1 one group), as
+    `finetune --model GPTQ_DIR` (QLoRA) and `generate`/`serve` hold it; `dtype` is then the compute dtype
+    and that of the unquantized tensors."""
     sizes = S.parse_mesh_spec(mesh, devices)
     S.check_model_fits_mesh(cfg, sizes, rules)
     table = S.get_rules(rules)
     wb = _bytes(dtype)
-    weights = sum(_local(shape, axes, sizes, rules) * wb for shape, axes in _param_items(cfg))
+    bits = None if bits in (None, 0, 16, 32) else int(bits)
+    if bits and full_finetune:
+        raise ValueError("full fine-tuning of a quantized base is not possible: the packed weights are frozen; "
+                         "plan LoRA (QLoRA) with --rank, or full fine-tuning without --bits")
+    weights = weight_bytes(cfg, sizes, rules, dtype, bits, group_size)
     lora_n = lora_total = 0
     if lora_rank:
         items = lora_shapes(cfg, lora_rank, lora_targets).values()
@@ -191,7 +238,7 @@ def plan(cfg, *, devices: int, device_memory_gb: float, mesh: str | dict | None 
         raise ValueError(f"unknown optimizer {optimizer!r}; the planner knows adamw and sgd")
     training = bool(lora_rank) or full_finetune
     if full_finetune:  # all weights trainable; bf16 weights get a float32 master copy
-        trainable_local = weights // wb
+        trainable_local = weights // wb  # (never packed: refused above)
         master = 4 * trainable_local if wb < 4 else 0
         opt = (8 * trainable_local if optimizer == "adamw" else 0) + master
         grads = wb * trainable_local
@@ -225,7 +272,8 @@ def plan(cfg, *, devices: int, device_memory_gb: float, mesh: str | dict | None 
         else (optimizer if training else None),
         "lora_rank": lora_rank, "lora_targets": list(lora_targets) if lora_rank else [],
         "lora_params": lora_total, "lora_bytes_total": 4 * lora_total,
-        "weights_bytes_total": cfg.num_params() * wb,
+        "weights_bytes_total": weight_bytes(cfg, {a: 1 for a in S.MESH_AXES}, rules, dtype, bits, group_size),
+        "bits": bits, "group_size": group_size if bits else None,
         "per_device_bytes": parts, "per_device_gb": {k: v / GB for k, v in parts.items()},
         "total_bytes": static + act[False], "total_bytes_remat": static + act[True],
         "device_memory_gb": device_memory_gb,
@@ -242,14 +290,24 @@ def plan(cfg, *, devices: int, device_memory_gb: float, mesh: str | dict | None 
     return out
 
 
-def _param_items(cfg):
-    return param_table(cfg).values()
+def fewest_devices(cfg, device_memory_gb: float, *, remat: bool = False, most: int = 1024, **shape) -> int | None:
+    """The fewest devices N on which a run fits, on an fsdp=N mesh (the model must split N ways), with
+    `shape` plan()'s other keywords (rank, batch, seq_len, dtype, bits, ...). None if none up to `most`."""
+    for n in range(1, most + 1):
+        try:
+            p = plan(cfg, devices=n, device_memory_gb=device_memory_gb, mesh=f"fsdp={n}", **shape)
+        except S.ShardingError:  # the model does not split n ways
+            continue
+        if p["fits_remat" if remat else "fits"]:
+            return n
+    return None
 
 
 def format_plan(p: dict) -> str:
     g = p["per_device_gb"]
     mesh = ",".join(f"{a}={n}" for a, n in p["mesh"].items() if n > 1) or "single device"
-    lines = [f"{p['params'] / 1e9:.2f}B parameters ({p['weights_bytes_total'] / GB:.1f} GB in {p['dtype']}), "
+    held = f"{p['bits']}-bit g{p['group_size']} + {p['dtype']}" if p.get("bits") else p["dtype"]
+    lines = [f"{p['params'] / 1e9:.2f}B parameters ({p['weights_bytes_total'] / GB:.1f} GB in {held}), "
              f"{p['mode']}, mesh {mesh}, rules {p['rules']}, batch {p['batch_size']} x {p['seq_len']} tokens",
              f"per device ({p['device_memory_gb']:g} GB):"]
     for k in ("weights", "lora", "optimizer", "gradients", "in_flight", "activations", "activations_remat"):

@@ -12,7 +12,9 @@ Three ideas, MaxText style:
 
 Indivisible dimensions are an error by default (`strict=True`): a silently replicated 100 GB
 embedding is worse than a clear message. `strict=False` replicates such a dimension instead
-(with a warning). Arrays without logical axes (packed GPTQ tensors today) are replicated.
+(with a warning). Packed GPTQ tensors carry the axes of the kernel they encode (`PACKED_GROUPED`): their
+group axis follows the kernel's input axis where the group count splits, and is replicated otherwise
+(scales and zeros are 1/32 of the packed words at group 128). Arrays without logical axes are replicated.
 """
 from __future__ import annotations
 
@@ -154,8 +156,13 @@ def get_rules(rules: str | Mapping[str, Any] | None = None) -> dict[str, Any]:
     return out
 
 
-def logical_to_spec(axes, rules=None, *, shape=None, mesh=None, strict: bool = True, name: str = "array") -> P:
-    """Logical axis names (+ optional shape and mesh for divisibility checks) -> PartitionSpec."""
+PACKED_GROUPED = ("qzeros", "scales")  # GPTQ tensors [layers, groups, out]: groups may be too few to split
+
+
+def logical_to_spec(axes, rules=None, *, shape=None, mesh=None, strict: bool = True, name: str = "array",
+                    warn: bool = True) -> P:
+    """Logical axis names (+ optional shape and mesh for divisibility checks) -> PartitionSpec.
+    strict=False replicates a dimension that does not split (warning about it unless warn=False)."""
     rules = get_rules(rules)
     sizes = None if mesh is None else mesh_shape(mesh)
     used: set[str] = set()
@@ -176,7 +183,8 @@ def logical_to_spec(axes, rules=None, *, shape=None, mesh=None, strict: bool = T
                 if strict:
                     raise ShardingError(msg + f"; use a mesh whose {'x'.join(targets)} divides {shape[i]}, "
                                               f"map {logical!r} to None in the rules, or strict=False to replicate it")
-                warnings.warn(msg + "; replicating that dimension", stacklevel=3)
+                if warn:
+                    warnings.warn(msg + "; replicating that dimension", stacklevel=3)
                 targets = ()
         used.update(targets)
         spec.append(None if not targets else (targets[0] if len(targets) == 1 else targets))
@@ -209,8 +217,9 @@ def param_specs(model_or_cfg, mesh, rules=None, *, strict: bool = True) -> dict[
     sizes = mesh_shape(mesh)
     out = {}
     for name, shape, dtype, axes in _iter_params(model_or_cfg):
-        spec = P() if axes is None else logical_to_spec(axes, rules, shape=shape, mesh=sizes, strict=strict,
-                                                         name=name)
+        grouped = name.rsplit("/", 1)[-1] in PACKED_GROUPED
+        spec = P() if axes is None else logical_to_spec(axes, rules, shape=shape, mesh=sizes,
+                                                         strict=strict and not grouped, warn=not grouped, name=name)
         local = list(shape)
         for i, s in enumerate(spec):
             for a in (() if s is None else ((s,) if isinstance(s, str) else s)):

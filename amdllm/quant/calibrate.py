@@ -27,7 +27,7 @@ import amdllm.model.fast as fast
 from amdllm.model.inputs import expect_model
 from amdllm.model.llama import attention_mask
 from amdllm.config import LlamaConfig
-from amdllm.model.quantized import QuantLinear
+from amdllm.model.quantized import QuantLinear, packed_logical_axes
 import amdllm.quant.gptq as gptq
 from amdllm.quant.gptq import GPTQError
 
@@ -309,7 +309,7 @@ def _install(model, packed, bits):
             continue
         # device_put: jnp.asarray compiles a program per shape
         setattr(model.layers, proj, QuantLinear(**{k: jax.device_put(np.stack([d[k] for d in per]))
-                                                   for k in per[0]}))
+                                                   for k in per[0]}, axes=packed_logical_axes(axes)))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -91,7 +91,8 @@ def split_params(model: Llama, full: bool = False) -> tuple[dict, dict]:
     if full:
         top, layers = to_pure(model)
         return {"top": top, "layers": layers}, {}
-    _, lora_state, frozen_state = nnx.split(model, LoRAParam, nnx.Param)
+    # frozen: every other variable, the base's Params and a GPTQ base's packed tensors (QLoRA)
+    _, lora_state, frozen_state = nnx.split(model, LoRAParam, ...)
     lora = nnx.to_pure_dict(lora_state).get("layers", {})
     if not lora:
         raise TrainingError("the model has no LoRA parameters: call amdllm.model.lora.apply_lora first")
