@@ -15,7 +15,7 @@ from flax import nnx
 
 from amdllm import quant, train
 from amdllm.cli import main
-from amdllm.config import LlamaConfig
+from amdllm.config import PRESETS, LlamaConfig
 from amdllm.io import checkpoint, peft
 from amdllm.io.tokenizer import WRITTEN_FILES as TOKENIZER_FILES
 from amdllm.model import Llama, lora, to_pure
@@ -210,3 +210,20 @@ def test_bad_quantized_bases_are_one_line(tmp_path, capsys, case):
             "merge": "--merge with a quantized base.*merge it into the full-precision model"}[case]
     assert re.search(want, err), err
     assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
+def test_405b_in_4_bits_needs_two_mi300x():
+    """The README's QLoRA row: Llama 3.1 405B, rank 8 on q,k,v,o, batch 16 x 64 (Felafax's), 192 GB devices:
+    8 MI300X in bf16 and 2 in GPTQ 4-bit g128 (packed weights 217 GB against 812 GB)."""
+    cfg = PRESETS["llama-3.1-405b"]
+    shape = dict(lora_rank=8, lora_targets=("q", "k", "v", "o"), batch_size=16, seq_len=64, dtype="bfloat16",
+                 rules="fsdp")
+    assert PL.fewest_devices(cfg, 192, **shape) == 8
+    assert PL.fewest_devices(cfg, 192, bits=4, group_size=128, **shape) == 2
+    assert PL.fewest_devices(cfg, 192, remat=True, bits=4, group_size=128, **{**shape, "batch_size": 8,
+                                                                               "seq_len": 2048}) == 2
+    p = PL.plan(cfg, devices=2, device_memory_gb=192, mesh="fsdp=2", bits=4, group_size=128, **shape)
+    assert round(p["weights_bytes_total"] / 1e9, 1) == 217.2 and round(p["total_gb"], 1) == 155.6
+    # the packed bytes are the format's: 4 bits a weight, per group of 128 an fp16 scale and a 4-bit zero
+    paper = quant.paper_bytes(cfg, 4, 128)["total_bytes"]
+    assert abs(p["weights_bytes_total"] - paper) / paper < 1e-6, (p["weights_bytes_total"], paper)

@@ -107,6 +107,9 @@ SUMMARY_FIELDS: dict[str, list[tuple[str, str, str]]] = {
                                   lambda t: " | ".join(f"{k} {v:.0f}" for k, v in t.items())),
                                  ("task_accuracy_int4", "task accuracy int4", "{:.1%}"),
                                  ("task_accuracy_int4_lora", "task accuracy int4 + LoRA", "{:.1%}"),
+                                 ("lora_fp_accuracy", "held-out accuracy: LoRA on fp32", "{:.1%}"),
+                                 ("fp_lora_on_int4_accuracy", "held-out accuracy: fp-trained LoRA on int4", "{:.1%}"),
+                                 ("qlora_accuracy", "held-out accuracy: QLoRA on int4", "{:.1%}"),
                                  ("server_ok", "amdllm serve answered the openai client", "{}")],
 }
 
