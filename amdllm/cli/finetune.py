@@ -100,7 +100,10 @@ def run(args) -> int:
     dtype = args.dtype
     if dtype == "auto":  # docs/cli.md: the measurements behind this choice
         stored = checkpoint.stored_dtype(Path(model_dir))
-        dtype = "bfloat16" if jax.default_backend() != "cpu" or stored == "bfloat16" else "float32"
+        # a GPTQ base on a CPU computes in float32 whatever its file says: its projections are packed
+        # either way, and XLA:CPU's bf16 matmuls are slower than float32 ones
+        dtype = ("bfloat16" if jax.default_backend() != "cpu" or (stored == "bfloat16" and not quant)
+                 else "float32")
     spec = args.mesh or ("auto" if jax.device_count() > 1 else None)
     mesh = make_mesh(spec, cfg=cfg, rules=args.rules) if spec else None
     check_batch_splits(args.batch_size, mesh, args.rules)
