@@ -65,7 +65,7 @@ $(GM_STAMP): $(STAMP) requirements/bench-gptqmodel.txt
 	 echo "import site; site.addsitedir('$$base')" > "$$own/amdllm-venv.pth"
 	$(GM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(GM_VENV)/bin/python -m pip install -q -c requirements/lock.txt -r requirements/bench-gptqmodel.txt
-	$(GM_VENV)/bin/python -m pip install -q --no-deps gptqmodel==7.7.0
+	$(GM_VENV)/bin/python -m pip install -q --no-deps gptqmodel==7.7.0 optimum==2.3.0
 	$(GM_VENV)/bin/python -c "import torch, transformers; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	@touch $@
 

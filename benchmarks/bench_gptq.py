@@ -13,10 +13,11 @@ report, GPTQModel does its own logging). Both checkpoints are then loaded by `am
 and scored by the same protocol: `amdllm eval`'s (docs/cli.md) (held-out course text, tokenized whole,
 non-overlapping 256-token windows).
 
-GPTQModel runs in the interpreter --gptqmodel-python (default $AMDLLM_GPTQMODEL_PYTHON, else this one if
-it can import gptqmodel). `make bench` installs it into its own environment layered on .venv (see the
-Makefile: GPTQModel 7.7.0 declares torch>=2.14.1, which pip cannot install next to the pinned torch
-2.13.0, but it runs on 2.13.0), with GPTQMODEL_CPU_WORKERS set to the core count.
+GPTQModel runs in the interpreter --gptqmodel-python (default $AMDLLM_GPTQMODEL_PYTHON, else
+.venv/gptqmodel-env/bin/python if it exists, else this one if it can import gptqmodel). `make bench`
+installs it into its own environment layered on .venv (see the Makefile: GPTQModel 7.7.0 declares
+torch>=2.14.1, which pip cannot install next to the pinned torch 2.13.0, but it runs on 2.13.0), with
+GPTQMODEL_CPU_WORKERS set to the core count.
 
 --grid adds the older table: bfloat16, RTN through the CLI, per-channel and 3-bit GPTQ/RTN in memory, and
 decode tokens/s of float32 vs int4 (several more minutes).
@@ -36,6 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import find_gptqmodel_python as common_find_gptqmodel_python  # noqa: E402
 from common import table, write_json  # noqa: E402
 
 PPL_TARGET = 1.02   # amdllm's perplexity may be at most 2% above GPTQModel's
@@ -82,19 +84,12 @@ def timed_child(cmd: list[str], env: dict | None = None, log: Path | None = None
 
 
 def find_gptqmodel_python(arg: str | None) -> str | None:
-    """The interpreter to run GPTQModel in; None if not asked for and this one lacks it."""
-    given = arg or os.environ.get("AMDLLM_GPTQMODEL_PYTHON")
-    cand = given or sys.executable
-    try:
-        ok = subprocess.run([cand, "-c", "import importlib.util, sys; "
-                             "sys.exit(importlib.util.find_spec('gptqmodel') is None)"], capture_output=True)
-    except OSError as e:
-        sys.exit(f"GPTQModel interpreter {cand}: {e}")
-    if ok.returncode == 0:
-        return cand
-    if given:  # asked for explicitly (make bench sets it): a missing install is an error, not a skip
-        sys.exit(f"GPTQModel interpreter {cand} cannot import gptqmodel")
-    return None
+    """The interpreter to run GPTQModel in (common.find_gptqmodel_python: the argument, else
+    $AMDLLM_GPTQMODEL_PYTHON, else .venv/gptqmodel-env, else this one); None if not asked for and none has it."""
+    python, why, explicit = common_find_gptqmodel_python(arg)
+    if python is None and explicit:  # asked for explicitly (make bench sets it): an error, not a skip
+        sys.exit(f"GPTQModel interpreter: {why}")
+    return python
 
 
 def code_agreement(dir_a: Path, dir_b: Path, bits: int = 4) -> dict:

@@ -9,10 +9,43 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+
+# where `make .venv/gptqmodel-env/.installed` puts GPTQModel (a venv layered on .venv; see the Makefile)
+GPTQMODEL_ENV_PYTHON = Path(__file__).resolve().parents[1] / ".venv" / "gptqmodel-env" / "bin" / "python"
+GPTQMODEL_INSTALL = "`make .venv/gptqmodel-env/.installed` installs it, or set AMDLLM_GPTQMODEL_PYTHON"
+
+
+def find_gptqmodel_python(arg: str | None = None, need: tuple[str, ...] = ("gptqmodel",)
+                          ) -> tuple[str | None, str | None, bool]:
+    """The interpreter that runs GPTQModel -> (python or None, why not, asked for explicitly).
+
+    Looked for in this order: `arg`, else $AMDLLM_GPTQMODEL_PYTHON (either one is the only candidate:
+    asked for explicitly), else .venv/gptqmodel-env/bin/python if it exists, else this interpreter. The
+    first candidate that can import every module in `need` wins; None with the reason when none can (a
+    caller that was asked explicitly should fail on it, others skip)."""
+    given = arg or os.environ.get("AMDLLM_GPTQMODEL_PYTHON")
+    if given:
+        cands = [given]
+    else:
+        cands = ([str(GPTQMODEL_ENV_PYTHON)] if GPTQMODEL_ENV_PYTHON.exists() else []) + [sys.executable]
+    why = []
+    for cand in cands:
+        probe = ("import importlib.util, sys; missing = [m for m in sys.argv[1:] if importlib.util.find_spec(m) "
+                 "is None]; print(' '.join(missing)); sys.exit(bool(missing))")
+        try:
+            r = subprocess.run([cand, "-c", probe, *need], capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            why.append(f"{cand}: {e}")
+            continue
+        if r.returncode == 0:
+            return cand, None, bool(given)
+        why.append(f"{cand} cannot import {r.stdout.strip() or '(probe failed: ' + r.stderr.strip()[-200:] + ')'}")
+    return None, "; ".join(why) + f" ({GPTQMODEL_INSTALL})", bool(given)
 
 
 def machine_info() -> dict:

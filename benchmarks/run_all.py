@@ -24,11 +24,13 @@ BENCHES = {  # name -> script; each takes --out DIR and writes DIR/<name>.json
     "load": "bench_load.py",
     "gptq": "bench_gptq.py",
     "serve": "bench_serve.py",
+    "qlora": "bench_qlora.py",
 }
 ARGS = {  # extra arguments under `make bench` (the settings BENCHMARKS.md's figures were taken with)
     "decode": ["--repeats", "2"],
     "load": ["--repeats", "2"],
     "gptq": ["--samples", "64"],
+    "qlora": ["--rounds", "2"],  # ~3 min on 2 cores: 4 finetune processes of the 31M shape, the peft row
 }
 BUDGET_S = 15 * 60
 

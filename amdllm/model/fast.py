@@ -54,11 +54,14 @@ def project_group(p: dict, key: str, x, lora: LoRA, fuse: bool, joined: bool = F
     if (not fuse or rows < FUSE_MIN_ROWS or any(isinstance(p[n], dict) for n in names)  # GPTQ: separate
             or any(jnp.dtype(p[n].dtype).itemsize < 4 for n in names)):  # XLA:CPU widens narrow kernels
         # (a copy each already): a concat would be one more
+        # one 2-D view of x for all of them: autodiff then keeps it once for the backward pass, not once per
+        # projection (`layers.linear` leaves a 2-D input as it is)
+        x2 = x.reshape(-1, x.shape[-1])
         outs = []
         for n in names:  # narrow kernels as bits: each read after the one before it is used
             q = {**p, n: p[n].after(outs[-1])} if outs and isinstance(p[n], Bits) else p
-            outs.append(project(q, n, x, lora))
-        return outs
+            outs.append(project(q, n, x2, lora))
+        return [o.reshape(*x.shape[:-1], o.shape[-1]) for o in outs]
     sizes = [p[n].shape[-1] for n in names]
     x2 = x.reshape(-1, x.shape[-1])
     y = x2 @ jnp.concatenate([p[n] for n in names], axis=-1).astype(x.dtype)           # [rows, sum(out)]
