@@ -11,6 +11,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import sys
 import time
 import warnings
@@ -172,7 +173,8 @@ def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig 
     Evaluations score `task_rows` by exact match (per group too with `task_group_by`, see `task_accuracy`).
 
     Metrics go to OUT/metrics.jsonl (one line per logged step, and one per evaluation), checkpoints to
-    OUT/checkpoints/. Returns a summary dict (losses, evals, throughput, memory, paths).
+    OUT/checkpoints/. Returns a summary dict (losses, evals, throughput: the median tokens/s and MFU of the
+    steps after the first, memory, paths).
 
     With several processes (`amdllm.parallel.distributed.initialize`) every process calls this with the
     same arguments and a mesh over all devices: each places only its devices' rows of every batch, and
@@ -279,6 +281,7 @@ def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig 
     bar = tqdm(range(start, tc.steps), initial=start, total=tc.steps, desc="finetune",
                disable=not (progress and lead), file=sys.stderr, dynamic_ncols=True)
     tok_s = mfu = 0.0
+    rates = []  # tokens/s of every timed step: the result reports their median, not the last step's
     t_prev = time.perf_counter()
     for step in bar:
         lora, opt_state, m = step_fn(lora, opt_state, frozen, next_batch(step), jax.random.fold_in(key, step))
@@ -294,6 +297,7 @@ def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig 
         if step > start:  # the first step's time includes the batch's first transfer
             tok_s = positions / dt
             mfu = fpt * tok_s / peak if peak else 0.0
+            rates.append(tok_s)
         losses.append(loss)
         n = step + 1
         if n % tc.log_every == 0 or n == tc.steps:
@@ -321,6 +325,9 @@ def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig 
         save_adapter(model, out, base_model_dir=base_model_dir)
     write_metrics()
     memory["peak_rss_bytes"] = peak_rss()
+    if rates:
+        tok_s = statistics.median(rates)
+        mfu = fpt * tok_s / peak if peak else 0.0
     return {"steps": tc.steps, "resumed_from": start, "losses": losses,
             "final_loss": losses[-1] if losses else None, "eval": final_eval, "evals": evals,
             "tokens_per_second": tok_s, "mfu": mfu, "flops_per_token": fpt, "peak_flops": peak,
