@@ -18,7 +18,9 @@ from flax import nnx
 from amdllm.io import checkpoint
 from amdllm import quant as gptq
 from amdllm.io import gptq_format as qf
-from amdllm.model import PROJECTIONS
+from amdllm import train
+from amdllm.model import PROJECTIONS, forward, lora
+from amdllm.parallel import sharding as S
 from amdllm.io.gptq_format import QuantFormatError
 from amdllm.model.quantized import pack_cols, pack_rows, unpack_cols, unpack_rows
 from tests.tiny import hf_logits, make_hf_checkpoint
@@ -194,6 +196,34 @@ def test_loads_gptqmodel_checkpoints(tmp_path, fmt, sym):
     tokens = np.random.default_rng(2).integers(0, 128, size=(2, 12))
     ours, _ = model(jnp.asarray(tokens))
     np.testing.assert_allclose(np.asarray(ours), hf_logits(hf, tokens), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("spec,rules", [("fsdp=8", "fsdp"), ("fsdp=4,tensor=2", "fsdp_tp")])
+def test_act_order_checkpoint_on_a_mesh_gives_one_devices_logits_and_lora_gradients(tmp_path, spec, rules):
+    """A GPTQModel act-order checkpoint loaded split over a mesh (packed words, g_idx, scales and zeros placed
+    by the rules) gives one device's logits, and the same LoRA gradients through the packed matmul (QLoRA)."""
+    _, hf = _tiny(tmp_path)
+    out, _ = _write_gptqmodel_style(tmp_path, hf, "gptq", True, np.random.default_rng(7))
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 128, size=(8, 12)))
+
+    def logits_and_grads(mesh):
+        model = checkpoint.load(out, mesh=mesh, rules=rules)
+        lora.apply_lora(model, rank=2, seed=1, place=None if mesh is None else S.placement(mesh, rules))
+        lora.set_lora_params(model, {k: v + 0.05 for k, v in lora.lora_params(model).items() if k.endswith("_b")})
+        lo, frozen = train.split_params(model)
+        top = {k: v for k, v in frozen.items() if k != "layers"}
+        f = lambda lo: forward(model.cfg, top, {**frozen["layers"], **lo}, tokens, run=model.run())[0]  # noqa: E731
+        loss, g = jax.jit(jax.value_and_grad(lambda lo: jnp.mean(f(lo) ** 2)))(lo)
+        return model, np.asarray(jax.jit(f)(lo)), float(loss), {k: np.asarray(v) for k, v in g.items()}
+
+    _, ref, ref_loss, ref_g = logits_and_grads(None)
+    model, got, loss, g = logits_and_grads(S.make_mesh(spec))
+    assert model.layers.gate_proj.qweight[...].sharding.spec == S.logical_to_spec(
+        ("layers", "embed", "mlp"), rules, mesh=S.make_mesh(spec))
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for k in ref_g:
+        np.testing.assert_allclose(g[k], ref_g[k], rtol=1e-3, atol=1e-5 * np.abs(ref_g[k]).max())
 
 
 def test_bad_checkpoints(tmp_path):
