@@ -38,6 +38,7 @@ from amdllm.io.names import IGNORED_SUFFIXES, NAME_TABLE, TOKENIZER_FILES
 from amdllm.io.tokenizer import copy_tokenizer
 from amdllm.model.llama import Llama, param_table
 from amdllm.parallel.sharding import activation_sharding, param_shardings
+from amdllm.io.safetensors import ALIGN, aligned_empty as _aligned_empty  # noqa: F401 (ALIGN: tests)
 from amdllm.io.safetensors import (ST_DTYPES, ST_NAMES, CheckpointError, SafetensorsFile, TensorSource,
                                    load_tensors, parse_size, save_tensors, write_safetensors, write_sharded)
 
@@ -104,19 +105,7 @@ def validate(src: TensorSource, cfg: LlamaConfig) -> dict:
     return specs
 
 
-# XLA's CPU client adopts a host buffer as a device buffer without copying only when its data starts on
-# a 64-byte boundary; numpy's (malloc's) large buffers start 16 bytes into a page, so they are copied.
-ALIGN = 64
 SLAB_BYTES = 8 << 20  # HF rows copied per step; their file pages are released before the next step
-
-
-def _aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
-    """An uninitialised C-ordered array whose data starts on an ALIGN-byte boundary."""
-    dtype = np.dtype(dtype)
-    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(n + ALIGN, np.uint8)
-    off = -raw.ctypes.data % ALIGN
-    return raw[off:off + n].view(dtype).reshape(shape)
 
 
 def _copy_into(out: np.ndarray, src: TensorSource, name: str, tr: bool, index: tuple) -> None:

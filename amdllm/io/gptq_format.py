@@ -28,12 +28,12 @@ from safetensors.numpy import save as st_save
 from amdllm.config import LlamaConfig
 from amdllm.files import atomic_path, atomic_write_text
 from amdllm.io.names import HF_PARENT, hf_proj
-from amdllm.io.safetensors import CheckpointError, load_tensors
+from amdllm.io.safetensors import CheckpointError, SafetensorsFile, aligned_empty, load_tensors
 from amdllm.io.tokenizer import copy_tokenizer
 from amdllm.model.llama import Llama, param_table
 from amdllm.model.quantized import (FORMAT_BITS, QUANT_KEYS, QuantFormatError, QuantLinear,  # noqa: F401
                                     check_bits, infer_bits, pack_cols, packed_logical_axes, unpack_cols)
-from amdllm.parallel.sharding import PACKED_GROUPED, activation_sharding, logical_to_spec, put
+from amdllm.parallel.sharding import PACKED_GROUPED, activation_sharding, logical_to_spec
 
 PROJECTIONS = tuple(HF_PARENT)
 
@@ -50,12 +50,18 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
 
 
 def read_checkpoint_tensors(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of every *.safetensors file in `path` (any file names: AutoGPTQ wrote
+    gptq_model-4bit-128g.safetensors), as read-only memory-mapped views: nothing is copied until used."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise QuantFormatError(f"{path}: no *.safetensors files")
     tensors = {}
     for f in files:
-        tensors.update(read_safetensors(f))
+        try:
+            st = SafetensorsFile(f)
+        except CheckpointError as e:
+            raise QuantFormatError(str(e)) from None
+        tensors.update({name: st.get(name) for name in st.tensors})
     return tensors
 
 
@@ -175,7 +181,8 @@ def _load_quant_proj(t, name, K, N, qc, path):
         raise QuantFormatError(f"{path}: {name}: group_size {G} does not divide in_features {K}")
     if g.min() < 0 or g.max() >= ng:
         raise QuantFormatError(f"{path}: {name}.g_idx has values in [{g.min()}, {g.max()}], expected [0, {ng})")
-    qw = _get(t, name + ".qweight", (K // p, N), path).astype(np.int32)
+    qw = _get(t, name + ".qweight", (K // p, N), path)  # a view of the file: read block by block at placement
+    qw = qw if qw.dtype == np.int32 else qw.astype(np.int32)
     qz = _get(t, name + ".qzeros", (ng, N // p), path).astype(np.int32)
     sc = _get(t, name + ".scales", (ng, N), path).astype(np.float16)
     if qc["format"] == "gptq":
@@ -196,9 +203,11 @@ def load_quantized(path, *, dtype=jnp.float32, compute_dtype=None, mesh=None, ru
     compute_dtype: the activations' dtype (default: dtype). With `mesh` (+ `rules`) every tensor is split
     as the rules say, the packed ones too: qweight [K/p, N] and g_idx [K] along the kernel's input and
     output axes, scales and qzeros [groups, N] along the output axis and, where the group count splits,
-    the input axis (`amdllm.parallel.sharding.PACKED_GROUPED`). Each device receives only its blocks;
-    the host reads the packed tensors whole once (a 4-bit base is a quarter of the bf16 one).
-    `shardings` is accepted for checkpoint.load's signature and ignored.
+    the input axis (`amdllm.parallel.sharding.PACKED_GROUPED`). The files are memory-mapped: each device's
+    block of `qweight` is read from them directly (the small scales, zeros and g_idx are checked and
+    converted in memory), and on one device every tensor is written once into the buffer that becomes the
+    device array, so a load allocates about the model's bytes. `shardings` is accepted for
+    checkpoint.load's signature and ignored.
     """
     path = Path(path)
     cfg = LlamaConfig.from_json(path)
@@ -212,18 +221,30 @@ def load_quantized(path, *, dtype=jnp.float32, compute_dtype=None, mesh=None, ru
     if mesh is not None:
         model.act_sharding = activation_sharding(mesh, rules)  # activations split by batch
 
-    def place(name, host, axes):
-        """host array -> a jax array, split over the mesh by its logical axes when there is one."""
-        if mesh is None:
-            return jnp.asarray(host)
+    def sharding_of(name, shape, axes):
         grouped = name.rsplit("/", 1)[-1] in PACKED_GROUPED
-        spec = logical_to_spec(axes, rules, shape=host.shape, mesh=mesh, strict=not grouped, warn=False,
-                               name=name)
-        return put(host, NamedSharding(mesh, spec))
+        return NamedSharding(mesh, logical_to_spec(axes, rules, shape=shape, mesh=mesh, strict=not grouped,
+                                                   warn=False, name=name))
+
+    def place(name, per_layer, axes, dtype=None, stacked=True):
+        """Host arrays (views of the file, one per layer) -> one stacked [L, ...] jax array, or with
+        stacked=False the single array, cast to `dtype` if given. On a mesh each device's block is built from
+        the views alone; on one device the result is written once into an aligned buffer that becomes the
+        device array (on a CPU without a second copy)."""
+        dtype = np.dtype(dtype or per_layer[0].dtype)
+        shape = ((len(per_layer),) if stacked else ()) + tuple(per_layer[0].shape)
+        if mesh is None:
+            out = aligned_empty(shape, dtype)
+            for i, a in enumerate(per_layer):
+                out[i if stacked else ...] = a
+            return jax.device_put(out, may_alias=True)
+        block = ((lambda idx: np.stack([per_layer[i][idx[1:]] for i in range(shape[0])[idx[0]]]).astype(dtype))
+                 if stacked else (lambda idx: per_layer[0][idx].astype(dtype)))
+        return jax.make_array_from_callback(shape, sharding_of(name, shape, axes), block)
 
     def put_param(owner, attr, name, arr, axes):
-        host = np.asarray(arr).astype(jnp.dtype(dtype))
-        setattr(owner, attr, nnx.Param(place(name, host, axes), axes=axes))
+        setattr(owner, attr, nnx.Param(place(name, [np.asarray(arr)], axes, jnp.dtype(dtype), stacked=False),
+                                       axes=axes))
 
     put_param(model, "embed_tokens", "embed_tokens", _get(t, "model.embed_tokens.weight", (V, D), path),
               table["embed_tokens"][1])
@@ -245,8 +266,7 @@ def load_quantized(path, *, dtype=jnp.float32, compute_dtype=None, mesh=None, ru
                                        "quantization_config")
             per = [_load_quant_proj(t, hf_proj(i, proj), K, N, qc, path) for i in range(L)]
             packed_axes = packed_logical_axes(axes)
-            stk = {k: place(f"layers/{proj}/{k}", np.stack([d[k] for d in per]), packed_axes[k])
-                   for k in QUANT_KEYS}
+            stk = {k: place(f"layers/{proj}/{k}", [d[k] for d in per], packed_axes[k]) for k in QUANT_KEYS}
             setattr(model.layers, proj, QuantLinear(**stk, axes=packed_axes))
         else:
             rows = [_get(t, hf_proj(i, proj) + ".weight", (N, K), path).T for i in range(L)]

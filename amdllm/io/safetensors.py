@@ -40,6 +40,21 @@ ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml
 ST_NAMES = {np.dtype(v): k for k, v in ST_DTYPES.items()}
 
 
+# XLA's CPU client adopts a host buffer as a device buffer without copying only when its data starts on
+# a 64-byte boundary; numpy's (malloc's) large buffers start 16 bytes into a page, so they are copied.
+ALIGN = 64
+
+
+def aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """An uninitialised C-ordered array whose data starts on an ALIGN-byte boundary: filled once, it becomes
+    the device buffer (`jax.device_put(a, may_alias=True)` on a CPU) instead of being copied."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(n + ALIGN, np.uint8)
+    off = -raw.ctypes.data % ALIGN
+    return raw[off:off + n].view(dtype).reshape(shape)
+
+
 class SafetensorsFile:
     """One .safetensors file: header parsed and checked against the file size; tensors as mmap views."""
 
