@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tests.tiny import hf_logits, make_hf_checkpoint, random_tokens
 
-from amdllm.io import checkpoint
+from amdllm.io import checkpoint, safetensors
 from amdllm.io.checkpoint import CheckpointError
 from amdllm.config import ConfigError
 
@@ -293,8 +293,8 @@ def test_device_put_adopts_the_aligned_host_buffer():
     """load's peak (about the model itself, not the model plus a copy) relies on XLA's CPU client taking
     a 64-byte-aligned numpy buffer as the device buffer without copying it: fail loudly if a jax
     upgrade stops doing so. An unaligned buffer is copied (what numpy's own allocations usually are)."""
-    a = checkpoint._aligned_empty((300, 70), jnp.bfloat16)
-    assert a.ctypes.data % checkpoint.ALIGN == 0 and a.flags.c_contiguous and a.shape == (300, 70)
+    a = safetensors.aligned_empty((300, 70), jnp.bfloat16)
+    assert a.ctypes.data % safetensors.ALIGN == 0 and a.flags.c_contiguous and a.shape == (300, 70)
     a[...] = 1
     x = jax.device_put(a, may_alias=True)
     assert x.unsafe_buffer_pointer() == a.ctypes.data

@@ -38,7 +38,7 @@ from amdllm.io.names import IGNORED_SUFFIXES, NAME_TABLE, TOKENIZER_FILES
 from amdllm.io.tokenizer import copy_tokenizer
 from amdllm.model.llama import Llama, param_table
 from amdllm.parallel.sharding import activation_sharding, param_shardings
-from amdllm.io.safetensors import ALIGN, aligned_empty as _aligned_empty  # noqa: F401 (ALIGN: tests)
+from amdllm.io.safetensors import aligned_empty
 from amdllm.io.safetensors import (ST_DTYPES, ST_NAMES, CheckpointError, SafetensorsFile, TensorSource,
                                    load_tensors, parse_size, save_tensors, write_safetensors, write_sharded)
 
@@ -142,7 +142,7 @@ def _read_block(src: TensorSource, cfg: LlamaConfig, ours: str, index: tuple, dt
     shape = param_table(cfg)[ours][0]
     index = tuple(index) + (slice(None),) * (len(shape) - len(index))
     block = tuple(len(range(*sl.indices(n))) for sl, n in zip(index, shape))
-    out = _aligned_empty(block, dtype)
+    out = aligned_empty(block, dtype)
     if not ours.startswith("layers/"):
         _copy_into(out, src, hf, tr, index)
         _check_finite(out, src, hf)
