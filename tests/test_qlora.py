@@ -76,13 +76,15 @@ def test_packed_matmul_backward_equals_autodiff_with_act_order():
 
 
 def test_packed_base_is_never_dequantized_whole():
-    """XLA's memory for the compiled QLoRA step (16 layers, remat) stays far below the dense float32 base,
+    """XLA's memory for the compiled QLoRA step (16 layers, no remat) stays far below the dense float32 base,
     and dequantizing adds less than one dense layer to the same LoRA step on the float model: layers are
-    dequantized one projection at a time inside the scan, forward and backward, never as a stack."""
+    dequantized one projection at a time inside the scan, forward and backward, never as a stack. (Plain
+    autodiff of the dequantizing matmul keeps every layer's dense kernel for the backward pass: 80 MB here,
+    more than the base; `quantized_matmul`'s own backward dequantizes again instead.)"""
     cfg = LlamaConfig.from_dict({**CFG, "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 16})
     temps = {}
     for kind in ("fp", "int4"):
-        m = Llama(cfg, rngs=nnx.Rngs(0), remat=True)
+        m = Llama(cfg, rngs=nnx.Rngs(0))
         dense = sum(to_pure(m)[1][p].nbytes for p in lora.PROJECTIONS)  # float32 projections of all layers
         if kind == "int4":
             m, _ = quant.quantize_model(m, None, quant.QuantSpec(bits=4, group_size=128), method="rtn", progress=False)
@@ -97,8 +99,8 @@ def test_packed_base_is_never_dequantized_whole():
     layer = dense / cfg.num_hidden_layers
     print(f"dense float32 projections {dense / 1e6:.1f} MB ({layer / 1e6:.1f} MB a layer); the step's temporaries: "
           f"LoRA {temps['fp'] / 1e6:.1f} MB, QLoRA {temps['int4'] / 1e6:.1f} MB")
-    assert temps["int4"] < dense / 4, (temps, dense)   # measured 10.1 of 63 MB
-    assert temps["int4"] - temps["fp"] < layer, (temps, layer)  # measured +2.8 MB, a layer is 3.9 MB
+    assert temps["int4"] < dense / 3, (temps, dense)   # measured 17.2 of 63 MB
+    assert temps["int4"] - temps["fp"] < layer, (temps, layer)  # measured 17.2 MB both
 
 
 def test_planner_counts_the_packed_bytes_held(tmp_path):
