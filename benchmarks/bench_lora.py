@@ -32,6 +32,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import add_lora_shape_args  # noqa: E402
 
 
 def hf_config(a):
@@ -155,16 +157,7 @@ def run_alternating(a, data):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--mlp", type=int, default=1408)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--rank", type=int, default=8)
-    p.add_argument("--targets", default="q,k,v,o,gate,up,down")
+    add_lora_shape_args(p)
     p.add_argument("--steps", type=int, default=5, help="rounds timed (after 1 warm-up round); a round is 2 steps per side")
     p.add_argument("--peak-seconds", type=float, default=1.5,
                    help="CPU: seconds of matmul per round for the MFU denominator (module doc)")

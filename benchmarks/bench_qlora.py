@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import find_gptqmodel_python, summarize, table, write_json  # noqa: E402
+from common import add_lora_shape_args, find_gptqmodel_python, summarize, table, write_json  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PPL_TOLERANCE = 1e-3   # |ours / peft's - 1| on the held-out text (the test's bound too)
@@ -287,16 +287,7 @@ def main(argv=None) -> int:
     p.add_argument("--peft-backend", default=PEFT_BACKEND, help="GPTQModel kernel for the peft side")
     p.add_argument("--qlora-steps", type=int, default=QLORA_STEPS, help="part 1's finetune steps")
     p.add_argument("--qlora-lr", type=float, default=QLORA_LR, help="part 1's learning rate")
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--mlp", type=int, default=1408)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--rank", type=int, default=8)
-    p.add_argument("--targets", default="q,k,v,o,gate,up,down")
+    add_lora_shape_args(p)
     p.add_argument("--steps", type=int, default=10, help="finetune steps per run (part 2)")
     p.add_argument("--rounds", type=int, default=3, help="LoRA, QLoRA process pairs (part 2)")
     p.add_argument("--peft-side", nargs=3, metavar=("GPTQ", "ADAPTER", "TEXT"), help=argparse.SUPPRESS)

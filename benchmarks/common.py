@@ -72,6 +72,14 @@ def machine_info() -> dict:
     return info
 
 
+def add_lora_shape_args(p) -> None:
+    """The LoRA benchmarks' model and run shape (the 31M Llama, batch 8 x 256, rank 8 on all projections)."""
+    for flag, default in (("--hidden", 512), ("--layers", 8), ("--heads", 8), ("--kv-heads", 2), ("--mlp", 1408),
+                          ("--vocab", 8192), ("--batch", 8), ("--seq", 256), ("--rank", 8)):
+        p.add_argument(flag, type=int, default=default)
+    p.add_argument("--targets", default="q,k,v,o,gate,up,down")
+
+
 def summarize(samples: list[float]) -> dict:
     s = sorted(samples)
     return {"median": statistics.median(s), "min": s[0], "max": s[-1], "n": len(s),

@@ -14,7 +14,7 @@ from amdllm.cli.common import add_pickle_arg, add_run_shape_args, count, emit, n
 from amdllm.cli.common import model_dir as resolve_model_dir
 from amdllm.config import LlamaConfig
 from amdllm.io import checkpoint
-from amdllm.io.gptq_format import read_quant_config
+from amdllm.io.gptq_format import quant_config_of
 from amdllm.files import atomic_write_text, check_output_dir
 from amdllm.io.templates import TEMPLATE_FILE, use_chat_template
 from amdllm.io.tokenizer import load_tokenizer
@@ -77,8 +77,7 @@ def run(args) -> int:
     check_run_dir(args.out, args.steps, args.resume)
     several = cluster_of(args)["source"] != "single"
     # a GPTQ base (QLoRA): its quantization config is checked here, before the data and the weights
-    quant = (read_quant_config(Path(model_dir))
-             if checkpoint.is_quantized(Path(model_dir), checkpoint.read_config(Path(model_dir))) else None)
+    quant = quant_config_of(Path(model_dir))
     if args.merge and quant:
         raise ValueError(f"--merge with a quantized base ({model_dir} is GPTQ {quant['bits']}-bit): the adapter "
                          "cannot be folded into packed integer weights; merge it into the full-precision model "

@@ -5,8 +5,7 @@ from pathlib import Path
 
 from amdllm.cli.common import add_run_shape_args, count, emit, model_dir, number
 from amdllm.config import PRESETS, LlamaConfig
-from amdllm.io.checkpoint import is_quantized, read_config
-from amdllm.io.gptq_format import read_quant_config
+from amdllm.io.gptq_format import quant_config_of
 from amdllm.parallel.plan import DEVICE_MEMORY_GB, DTYPE_BYTES, PEAK_BF16_TFLOPS, fewest_devices, format_plan, plan
 
 
@@ -48,8 +47,8 @@ def run(args) -> int:
     else:
         cfg = LlamaConfig.from_json(args.model)
     bits, group_size = args.bits, args.group_size
-    if args.model and Path(args.model).is_dir() and is_quantized(Path(args.model), read_config(Path(args.model))):
-        qc = read_quant_config(Path(args.model))
+    qc = quant_config_of(Path(args.model)) if args.model and Path(args.model).is_dir() else None
+    if qc:
         bits = qc["bits"] if bits is None else bits
         group_size = qc["group_size"] if group_size is None else group_size
     if group_size is not None and bits is None:
@@ -61,19 +60,18 @@ def run(args) -> int:
     mem = args.device_memory if args.device_memory is not None else DEVICE_MEMORY_GB.get(acc)
     if mem is None:
         raise ValueError(f"--device-memory is needed for accelerator {args.accelerator!r}")
-    p = plan(cfg, devices=args.devices, device_memory_gb=mem, mesh=args.mesh, rules=args.rules,
-             lora_rank=args.rank, lora_targets=tuple(args.targets.split(",")),
-             full_finetune=args.full_finetune, batch_size=args.batch_size, seq_len=args.seq_len,
-             dtype="bfloat16" if args.dtype == "auto" else args.dtype, optimizer=args.optimizer, accelerator=acc,
-             tokens_per_s=args.tokens_per_second, bits=bits, group_size=group_size)
+    # the run's shape: what `plan` and `fewest_devices` are asked about alike
+    shape = dict(rules=args.rules, lora_rank=args.rank, lora_targets=tuple(args.targets.split(",")),
+                 full_finetune=args.full_finetune, batch_size=args.batch_size, seq_len=args.seq_len,
+                 dtype="bfloat16" if args.dtype == "auto" else args.dtype, optimizer=args.optimizer, bits=bits,
+                 group_size=group_size)
+    p = plan(cfg, devices=args.devices, device_memory_gb=mem, mesh=args.mesh, accelerator=acc,
+             tokens_per_s=args.tokens_per_second, **shape)
     p["model"] = args.model or "default"
     p["remat"] = args.remat
     p["fits_as_run"] = p["fits_remat" if args.remat else "fits"]
     human = format_plan(p)
     if args.fewest_devices:
-        shape = dict(lora_rank=args.rank, lora_targets=tuple(args.targets.split(",")), full_finetune=args.full_finetune,
-                     batch_size=args.batch_size, seq_len=args.seq_len, optimizer=args.optimizer, bits=bits,
-                     group_size=group_size, dtype="bfloat16" if args.dtype == "auto" else args.dtype, rules=args.rules)
         p["fewest_devices"] = {key: fewest_devices(cfg, mem, remat=r, **shape) for key, r in
                                (("without_remat", False), ("with_remat", True))}
         f = p["fewest_devices"]

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from amdllm.config import LlamaConfig
 from amdllm.files import atomic_write_text, read_json
-from amdllm.io.gptq_format import load_quantized
+from amdllm.io.gptq_format import is_quantized, load_quantized
 from amdllm.io.names import IGNORED_SUFFIXES, NAME_TABLE, TOKENIZER_FILES
 from amdllm.io.tokenizer import copy_tokenizer
 from amdllm.model.llama import Llama, param_table
@@ -203,10 +203,6 @@ def stored_dtype(path: Path) -> str:
     """The dtype config.json says the weights are stored in ("float32" when it says none)."""
     raw = read_config(path)
     return str(raw.get("torch_dtype") or raw.get("dtype") or "float32")
-
-
-def is_quantized(path: Path, raw: dict) -> bool:
-    return bool(raw.get("quantization_config")) or (path / "quantize_config.json").is_file()
 
 
 def load(path, *, dtype=jnp.float32, compute_dtype=None, mesh=None, rules=None, shardings=None,

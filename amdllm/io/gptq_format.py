@@ -32,8 +32,9 @@ from amdllm.io.safetensors import CheckpointError, SafetensorsFile, aligned_empt
 from amdllm.io.tokenizer import copy_tokenizer
 from amdllm.model.llama import Llama, param_table
 from amdllm.model.quantized import (FORMAT_BITS, QUANT_KEYS, QuantFormatError, QuantLinear,  # noqa: F401
-                                    check_bits, infer_bits, pack_cols, packed_logical_axes, unpack_cols)
-from amdllm.parallel.sharding import PACKED_GROUPED, activation_sharding, logical_to_spec
+                                    check_bits, group_count, infer_bits, pack_cols, packed_logical_axes,
+                                    unpack_cols)
+from amdllm.parallel.sharding import activation_sharding, param_spec
 
 PROJECTIONS = tuple(HF_PARENT)
 
@@ -75,6 +76,18 @@ def quant_config_dict(bits, group_size, sym, desc_act, *, static_groups=False, d
             "sym": sym, "true_sequential": true_sequential, "damp_percent": damp_percent,
             "static_groups": static_groups, "lm_head": False, "checkpoint_format": fmt, "format": fmt,
             "meta": {"quantizer": ["amdllm"]}}
+
+
+def is_quantized(path: Path, raw: dict) -> bool:
+    """Does the checkpoint directory `path` (its config.json parsed as `raw`) hold a quantized model?"""
+    return bool(raw.get("quantization_config")) or (path / "quantize_config.json").is_file()
+
+
+def quant_config_of(path: Path) -> dict | None:
+    """`read_quant_config` of a quantized checkpoint directory (checked), None for a dense one."""
+    path = Path(path)
+    raw = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+    return read_quant_config(path) if is_quantized(path, raw) else None
 
 
 def read_quant_config(path: Path) -> dict:
@@ -176,7 +189,7 @@ def _load_quant_proj(t, name, K, N, qc, path):
         raise QuantFormatError(f"{path}: {name}.qweight shape {qw.shape} implies "
                                f"{32 * qw.shape[0] // K} bits but the quantization config says bits={bits}")
     g = _get(t, name + ".g_idx", (K,), path).astype(np.int32)
-    ng = K // G if G not in (-1, 0) and G < K else 1
+    ng = group_count(K, G)
     if G not in (-1, 0) and K % G:
         raise QuantFormatError(f"{path}: {name}: group_size {G} does not divide in_features {K}")
     if g.min() < 0 or g.max() >= ng:
@@ -211,20 +224,13 @@ def load_quantized(path, *, dtype=jnp.float32, compute_dtype=None, mesh=None, ru
     """
     path = Path(path)
     cfg = LlamaConfig.from_json(path)
-    raw = json.loads((path / "config.json").read_text())
-    quantized = "quantization_config" in raw or (path / "quantize_config.json").exists()
-    qc = read_quant_config(path) if quantized else None
+    qc = quant_config_of(path)
     t = read_checkpoint_tensors(path)
     model = Llama.abstract(cfg, param_dtype=dtype, dtype=compute_dtype or dtype, remat=remat)
     table = param_table(cfg)
     L, D, V = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size
     if mesh is not None:
         model.act_sharding = activation_sharding(mesh, rules)  # activations split by batch
-
-    def sharding_of(name, shape, axes):
-        grouped = name.rsplit("/", 1)[-1] in PACKED_GROUPED
-        return NamedSharding(mesh, logical_to_spec(axes, rules, shape=shape, mesh=mesh, strict=not grouped,
-                                                   warn=False, name=name))
 
     def place(name, per_layer, axes, dtype=None, stacked=True):
         """Host arrays (views of the file, one per layer) -> one stacked [L, ...] jax array, or with
@@ -240,7 +246,8 @@ def load_quantized(path, *, dtype=jnp.float32, compute_dtype=None, mesh=None, ru
             return jax.device_put(out, may_alias=True)
         block = ((lambda idx: np.stack([per_layer[i][idx[1:]] for i in range(shape[0])[idx[0]]]).astype(dtype))
                  if stacked else (lambda idx: per_layer[0][idx].astype(dtype)))
-        return jax.make_array_from_callback(shape, sharding_of(name, shape, axes), block)
+        return jax.make_array_from_callback(shape, NamedSharding(mesh, param_spec(name, axes, rules, shape=shape,
+                                                                                   mesh=mesh)), block)
 
     def put_param(owner, attr, name, arr, axes):
         setattr(owner, attr, nnx.Param(place(name, [np.asarray(arr)], axes, jnp.dtype(dtype), stacked=False),

@@ -57,6 +57,12 @@ def check_bits(bits: int, what: str = "bits") -> int:
     return 32 // bits
 
 
+def group_count(in_features: int, group_size: int) -> int:
+    """Rows of scales and zeros for K = in_features input rows in groups of `group_size` (-1 or 0, or a size
+    of at least K: one group)."""
+    return 1 if group_size in (-1, 0) or group_size >= in_features else -(-in_features // group_size)
+
+
 def pack_rows(codes, bits: int) -> np.ndarray:
     """codes [K, N] ints in [0, 2^bits) -> int32 [K*bits/32, N], packed along K (qweight)."""
     p = check_bits(bits)

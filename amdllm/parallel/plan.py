@@ -59,7 +59,7 @@ import jax
 import jax.numpy as jnp
 
 from amdllm.model import PROJECTIONS, param_table
-from amdllm.model.quantized import check_bits, packed_logical_axes
+from amdllm.model.quantized import check_bits, group_count, packed_logical_axes
 from amdllm.model.lora import normalize_targets
 import amdllm.parallel.sharding as S
 
@@ -82,9 +82,10 @@ def _bytes(dtype) -> int:
     return DTYPE_BYTES[name]
 
 
-def _local(shape, axes, sizes, rules, warn: bool = True) -> int:
-    """Elements of an array of `shape` with logical `axes` held by one device."""
-    spec = S.logical_to_spec(axes, rules, shape=shape, mesh=sizes, strict=False, warn=warn, name="planned")
+def _local(shape, axes, sizes, rules, name: str = "planned") -> int:
+    """Elements of an array of `shape` with logical `axes` held by one device (`name`: the parameter, for
+    a packed tensor's group axis, `sharding.param_spec`)."""
+    spec = S.param_spec(name, axes, rules, shape=shape, mesh=sizes, strict=False)
     n = math.prod(shape)
     for s in spec:
         for a in (() if s is None else ((s,) if isinstance(s, str) else s)):
@@ -111,7 +112,7 @@ def packed_shapes(cfg, bits: int, group_size: int) -> dict:
         if name.rsplit("/", 1)[-1] not in PROJECTIONS:
             continue
         L, K, N = shape
-        ng = 1 if group_size in (-1, 0) or group_size >= K else -(-K // group_size)
+        ng = group_count(K, group_size)
         pa = packed_logical_axes(axes)
         out.update({f"{name}/qweight": ((L, K // p, N), pa["qweight"], 4),
                     f"{name}/qzeros": ((L, ng, N // p), pa["qzeros"], 4),
@@ -131,7 +132,7 @@ def weight_bytes(cfg, sizes, rules, dtype, bits: int | None = None, group_size: 
         total += _local(shape, axes, sizes, rules) * wb
     if bits:
         for name, (shape, axes, nb) in packed_shapes(cfg, bits, group_size).items():
-            total += _local(shape, axes, sizes, rules, warn=False) * nb
+            total += _local(shape, axes, sizes, rules, name) * nb
     return total
 
 

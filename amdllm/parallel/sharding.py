@@ -193,6 +193,14 @@ def logical_to_spec(axes, rules=None, *, shape=None, mesh=None, strict: bool = T
     return P(*spec)
 
 
+def param_spec(name: str, axes, rules=None, *, shape=None, mesh=None, strict: bool = True) -> P:
+    """`logical_to_spec` for the parameter `name`: a packed GPTQ tensor's group axis (`PACKED_GROUPED`) is
+    replicated, without a warning, where its group count does not split."""
+    grouped = name.rsplit("/", 1)[-1] in PACKED_GROUPED
+    return logical_to_spec(axes, rules, shape=shape, mesh=mesh, strict=strict and not grouped, warn=not grouped,
+                           name=name)
+
+
 def _iter_params(model_or_cfg):
     """Yield (our_name, shape, dtype, logical axes or None) for every parameter (arrays or abstract)."""
     if isinstance(model_or_cfg, LlamaConfig):
@@ -217,9 +225,7 @@ def param_specs(model_or_cfg, mesh, rules=None, *, strict: bool = True) -> dict[
     sizes = mesh_shape(mesh)
     out = {}
     for name, shape, dtype, axes in _iter_params(model_or_cfg):
-        grouped = name.rsplit("/", 1)[-1] in PACKED_GROUPED
-        spec = P() if axes is None else logical_to_spec(axes, rules, shape=shape, mesh=sizes,
-                                                         strict=strict and not grouped, warn=not grouped, name=name)
+        spec = P() if axes is None else param_spec(name, axes, rules, shape=shape, mesh=sizes, strict=strict)
         local = list(shape)
         for i, s in enumerate(spec):
             for a in (() if s is None else ((s,) if isinstance(s, str) else s)):

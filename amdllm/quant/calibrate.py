@@ -27,7 +27,7 @@ import amdllm.model.fast as fast
 from amdllm.model.inputs import expect_model
 from amdllm.model.llama import attention_mask
 from amdllm.config import LlamaConfig
-from amdllm.model.quantized import QuantLinear, packed_logical_axes
+from amdllm.model.quantized import QuantLinear, group_count, packed_logical_axes
 import amdllm.quant.gptq as gptq
 from amdllm.quant.gptq import GPTQError
 
@@ -331,7 +331,7 @@ def paper_bytes(cfg, bits: int = 4, group_size: int = 128, fp_bytes: int = 2) ->
         if bits >= 16:
             lin += K * N * fp_bytes
         else:
-            ng = 1 if group_size == -1 else math.ceil(K / group_size)
+            ng = group_count(K, group_size)
             lin += K * N * bits / 8 + ng * N * (2 + bits / 8) + 4 * K
     other = (V * D * (1 if cfg.tie_word_embeddings else 2) + (2 * L + 1) * D) * fp_bytes
     total = L * lin + other
