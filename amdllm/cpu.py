@@ -5,15 +5,35 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 
 import jax
 
 
 YNN_TRAIN_MIN_HIDDEN = 1024
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
-def cpu_compiler_options(kind: str, hidden_size: int = 0) -> dict | None:
+@functools.cache
+def has_bf16_dots() -> bool:
+    """Whether XLA:CPU multiplies bfloat16 fast here: a CPU with bf16 instructions (AVX-512 BF16 or AMX),
+    where its bf16 x bf16 -> float32 dots (YNNPACK) ran a [256, 2048] x [2048, 8192] product at 565
+    GFLOP/s against 282 in float32 (2 cores, 2026-12-02; PyTorch's bf16: 740). On a CPU without them
+    (AVX2) XLA widens to float32 instead, which is faster there. AMDLLM_BF16_DOTS=0 or 1 overrides."""
+    forced = os.environ.get("AMDLLM_BF16_DOTS", "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    if jax.default_backend() != "cpu":
+        return False
+    try:
+        flags = next((ln.split(":", 1)[1].split() for ln in open("/proc/cpuinfo") if ln.startswith("flags")), [])
+    except OSError:
+        return False
+    return any(f in flags for f in BF16_FLAGS)
+
+
+def cpu_compiler_options(kind: str, hidden_size: int = 0, narrow: bool = False) -> dict | None:
     """XLA:CPU options for a jitted "decode" or "train" step (None elsewhere: nothing changes there).
 
     decode: XLA:CPU hands dots to XNNPACK/YNNPACK, which pays off for large matmuls but not for a decode
@@ -21,14 +41,15 @@ def cpu_compiler_options(kind: str, hidden_size: int = 0) -> dict | None:
     per-layer views, leaving the YNNPACK fusions off too, ~23 ms).
     train: the YNNPACK fusions win on large kernels and lose on small ones. A model with hidden_size below
     YNN_TRAIN_MIN_HIDDEN sends its dots to Eigen instead: the 31M benchmark step (hidden 512) ~1.07x
-    faster. At hidden 2048 (the 1B shape, batch 1 x 256, r8, 2 cores) XLA's defaults are: 15.2 against
+    faster, unless its frozen base is bfloat16 on a CPU with bf16 dots (narrow=True): those need YNNPACK. At hidden 2048 (the 1B shape, batch 1 x 256, r8, 2 cores) XLA's defaults are: 15.2 against
     9.0 tokens/s with a bf16 base, 15.1 against 8.2 in float32 (BENCHMARKS.md, 1B section)."""
     if jax.default_backend() != "cpu":
         return None
     if kind == "decode":
         return {"xla_cpu_use_xnnpack": False, "xla_cpu_experimental_ynn_fusion_type": ""}
     if kind == "train":
-        return {"xla_cpu_experimental_ynn_fusion_type": ""} if hidden_size < YNN_TRAIN_MIN_HIDDEN else None
+        small = hidden_size < YNN_TRAIN_MIN_HIDDEN and not (narrow and has_bf16_dots())
+        return {"xla_cpu_experimental_ynn_fusion_type": ""} if small else None
     raise ValueError(f"kind must be 'decode' or 'train', got {kind!r}")
 
 

@@ -6,11 +6,13 @@ parameters, vocabulary 128256, tied embeddings, Llama 3 RoPE scaling), with the 
 use only the first rows of the vocabulary; tokenization is not what is measured). Then:
 
   eval bf16 / fp32    `amdllm eval --dtype D`        vs transformers, the same protocol (docs/cli.md)
-  generate f32 / bf16 `amdllm generate --dtype D`, 64 tokens   vs transformers' greedy `generate`, bf16
+  generate f32 / bf16 `amdllm generate --dtype D`, 64 tokens   vs transformers' greedy `generate` in its
+                      faster dtype here (both are run); steady decode rates, prefill excluded on both sides
   quantize            `amdllm quantize` 4-bit g128, 16 x 256 calibration   vs GPTQModel (when installed)
   finetune            `amdllm finetune`, 4 steps, batch 1 x 256, r8, at its default (the checkpoint's bf16) and
-                      in float32     vs peft + torch AdamW in float32 (its fastest on this CPU)
-  serve f32 / bf16    `amdllm serve --dtype D` start + the same chat request twice   (no peer)
+                      in float32     vs peft + torch AdamW in its faster dtype here (both are run)
+  serve f32 / bf16    `amdllm serve --dtype D` start, then warm chat requests of 1 and 33 tokens: the time
+                      per decoded token is their difference over 32 (compare generate's)   (no peer)
   convert             `amdllm convert` to float16    vs transformers from_pretrained + save_pretrained
   convert 8B          `amdllm convert` of a Llama-3.1-8B-shaped bf16 checkpoint (16 GB, written here)
 
@@ -149,15 +151,32 @@ def peer_eval(model: str, text: str, dtype: str) -> dict:
     return {"nll": total / count, "tokens": count}
 
 
-def peer_generate(model: str) -> dict:
+def peer_generate(model: str, dtype: str = "bfloat16") -> dict:
+    """transformers' greedy generate of 64 tokens: tokens_per_second over the whole call (prefill included)
+    and steady_tokens_per_second from the third new token on (amdllm's definition, `Decoder`)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).eval()
+    from transformers.generation.streamers import BaseStreamer
+
+    class Clock(BaseStreamer):
+        def __init__(self):
+            self.t = []
+
+        def put(self, value):  # first call: the prompt; then one call per new token
+            self.t.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    m = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
     ids = torch.tensor([AutoTokenizer.from_pretrained(model)(PROMPT)["input_ids"]])
     m.generate(ids, max_new_tokens=4, do_sample=False, min_new_tokens=4)  # warm-up, as amdllm compiles first
+    clock = Clock()
     t0 = time.perf_counter()
-    out = m.generate(ids, max_new_tokens=64, min_new_tokens=64, do_sample=False)
-    return {"tokens_per_second": 64 / (time.perf_counter() - t0), "new_tokens": int(out.shape[1] - ids.shape[1])}
+    out = m.generate(ids, max_new_tokens=64, min_new_tokens=64, do_sample=False, streamer=clock)
+    t = clock.t[1:]  # new tokens' times
+    return {"tokens_per_second": 64 / (time.perf_counter() - t0), "new_tokens": int(out.shape[1] - ids.shape[1]),
+            "steady_tokens_per_second": (len(t) - 3) / (t[-1] - t[2]), "dtype": dtype}
 
 
 def peer_finetune(model: str, data: str, dtype: str = "float32") -> dict:
@@ -191,6 +210,17 @@ def peer_convert(model: str, out: str) -> dict:
     return {}
 
 
+def machine() -> dict:
+    """What the figures depend on: the CPU's model, cores and bf16 instructions (PyTorch's bf16 and
+    amdllm's bf16 dots are fast only with them)."""
+    info = {ln.split(":", 1)[0].strip(): ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ":" in ln}
+    flags = info.get("flags", "").split()
+    from amdllm.cpu import BF16_FLAGS, has_bf16_dots
+    return {"cpu": info.get("model name"), "cores": os.cpu_count(), "bf16_instructions": [f for f in BF16_FLAGS if f in flags],
+            "avx512f": "avx512f" in flags, "amdllm_bf16_dots": has_bf16_dots(),
+            "mem_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1)}
+
+
 def peer_main(argv) -> int:
     name, *rest = argv
     fn = {"eval": peer_eval, "generate": peer_generate, "finetune": peer_finetune, "convert": peer_convert}[name]
@@ -199,9 +229,10 @@ def peer_main(argv) -> int:
 
 
 def serve_once(model: str, dtype: str = "bfloat16") -> dict:
-    """`amdllm serve` started, the same chat request answered twice (the first compiles its prompt's
-    prefill), stopped: run as its own measured process. second_s_per_token: the warm request's time over
-    its tokens, prefill included (compare with generate's 1 / tokens_per_second)."""
+    """`amdllm serve` started; one chat request of 33 tokens (compiling), then three pairs of warm requests
+    of 1 and 33 tokens; stopped: run as its own measured process. s_per_decoded_token: the median over the
+    pairs of their time difference over 32 tokens, the server's decode step as a client sees it, HTTP
+    included and the prompt's prefill excluded (compare generate's 1 / tokens_per_second)."""
     import urllib.request
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -220,17 +251,24 @@ def serve_once(model: str, dtype: str = "bfloat16") -> dict:
             except OSError:
                 time.sleep(1)
         ready = time.perf_counter() - t0
-        body = json.dumps({"model": served, "messages": [{"role": "user", "content": "Tell me a story."}],
-                           "max_tokens": 16, "temperature": 0}).encode()
-        times = []
-        for _ in range(2):
-            t1 = time.perf_counter()
+
+        def ask(n):
+            body = json.dumps({"model": served, "messages": [{"role": "user", "content": "Tell me a story."}],
+                               "max_tokens": n, "temperature": 0}).encode()
             req = urllib.request.Request(url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+            t1 = time.perf_counter()
             answer = json.loads(urllib.request.urlopen(req, timeout=600).read())
-            times.append(time.perf_counter() - t1)
-        n = answer["usage"]["completion_tokens"]
-        return {"ready_s": round(ready, 1), "request_s": [round(t, 2) for t in times], "completion_tokens": n,
-                "second_s_per_token": round(times[1] / max(n, 1), 3)}
+            return time.perf_counter() - t1, answer["usage"]["completion_tokens"]
+        first = ask(33)  # compiles the prompt's prefill and the steps
+        ones, longs = [], []
+        for _ in range(3):
+            ones.append(ask(1))
+            longs.append(ask(33))
+        per_token = sorted((tl - t1) / (nl - n1) for (t1, n1), (tl, nl) in zip(ones, longs))
+        return {"ready_s": round(ready, 1), "first_request_s": round(first[0], 2),
+                "one_token_s": [round(t, 3) for t, _ in ones], "33_tokens_s": [round(t, 3) for t, _ in longs],
+                "completion_tokens": longs[-1][1], "s_per_decoded_token": round(per_token[1], 4),
+                "s_per_token_prefill_included": round(sorted(t for t, _ in longs)[1] / longs[-1][1], 4)}
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -285,16 +323,25 @@ def main(argv=None) -> int:
             row(f"eval {dt} ({o.get('tokens')} tokens)", ours, peer, "transformers",
                 f"nll {o.get('nll', float('nan')):.5f} vs {t.get('nll', float('nan')):.5f}",
                 ours_bytes=nbytes * (2 if dt == "float32" else 1))
+    gen_rate = {}  # amdllm generate's steady tokens/s per dtype, for the serve rows
     if "generate" in only:
-        peer = measured(me + ["generate", str(ck)])  # transformers in bf16, its faster dtype here
-        t = last_json(peer["stdout"])
+        peers = {}
+        for pdt in ("bfloat16", "float32"):  # transformers' faster dtype depends on the CPU (bf16 instructions)
+            peers[pdt] = measured(me + ["generate", str(ck), pdt])
+        rate = {d: last_json(p["stdout"]).get("steady_tokens_per_second", 0) for d, p in peers.items()}
+        best = max(rate, key=rate.get)
+        peer, t = peers[best], last_json(peers[best]["stdout"])
         for dt in ("float32", "bfloat16"):  # float32: amdllm's default
             ours = measured(amdllm("generate", "--model", str(ck), "--prompt", PROMPT, "--max-new-tokens", "64",
                                    "--dtype", dt, "--json"))
             o = last_json(ours["stdout"])
             o = o[0] if isinstance(o, list) and o else o
-            row(f"generate 64 tokens {dt} (transformers bf16)", ours, peer, "transformers",
-                f"{o.get('tokens_per_second', 0):.2f} vs {t.get('tokens_per_second', 0):.2f} tok/s",
+            gen_rate[dt] = o.get("tokens_per_second", 0)
+            row(f"generate 64 tokens {dt} (transformers {best}, its faster)", ours, peer, "transformers",
+                f"steady {gen_rate[dt]:.2f} vs {t.get('steady_tokens_per_second', 0):.2f} tok/s "
+                f"({gen_rate[dt] / max(t.get('steady_tokens_per_second', 0), 1e-9):.2f}x; transformers "
+                f"bf16 {rate['bfloat16']:.2f}, float32 {rate['float32']:.2f}; its whole call, prefill included: "
+                f"{t.get('tokens_per_second', 0):.2f})",
                 ours_bytes=nbytes * (2 if dt == "float32" else 1))
     if "quantize" in only:
         q = work / "gptq4"
@@ -320,27 +367,29 @@ def main(argv=None) -> int:
     if "finetune" in only:
         f = work / "lora"
         shutil.rmtree(f, ignore_errors=True)
-        # peft in float32, its fastest here: in bfloat16 (this AVX2 CPU has no bf16 instructions) it had
-        # not finished 4 steps after 1117 s (run 3)
-        peer_dt = "float32"
-        peer = measured(me + ["finetune", str(ck), str(data), peer_dt])
-        t = last_json(peer["stdout"])
+        peers = {pdt: measured(me + ["finetune", str(ck), str(data), pdt]) for pdt in ("bfloat16", "float32")}
+        med = {d: sorted(last_json(p["stdout"]).get("step_seconds", [1e9]))[2] for d, p in peers.items()}
+        peer_dt = min(med, key=med.get)  # peft's faster dtype on this CPU
+        peer = peers[peer_dt]
         for dt in ("auto", "float32"):  # auto: the checkpoint's bfloat16 (the default)
             shutil.rmtree(f, ignore_errors=True)
             ours = measured(amdllm("finetune", "--model", str(ck), "--data", str(data), "--out", str(f), "--steps",
                                    "4", "--batch-size", "1", "--seq-len", "256", "--rank", "8", "--dtype", dt,
                                    "--no-progress", "--json"))
             o = last_json(ours["stdout"])
-            st = sorted(t.get("step_seconds", [0]))
-            row(f"finetune 4 steps, 1x256, r8, --dtype {dt} (peft {peer_dt})", ours, peer, "peft",
-                f"{o.get('tokens_per_second', 0):.2f} tok/s vs peft's median step {st[len(st) // 2]:.2f} s "
-                f"({256 / max(st[len(st) // 2], 1e-9):.2f} tok/s)")
+            tok_s = o.get("tokens_per_second", 0)
+            row(f"finetune 4 steps, 1x256, r8, --dtype {dt} (peft {peer_dt}, its faster)", ours, peer, "peft",
+                f"{tok_s:.2f} vs {256 / med[peer_dt]:.2f} tok/s ({tok_s * med[peer_dt] / 256:.2f}x; peft's median "
+                f"step: bf16 {med['bfloat16']:.2f} s ({peers['bfloat16']['peak_rss_gb']} GB), float32 "
+                f"{med['float32']:.2f} s ({peers['float32']['peak_rss_gb']} GB))")
     if "serve" in only:
         for dt in ("float32", "bfloat16"):  # float32: amdllm serve's default
             ours = measured([sys.executable, str(Path(__file__).resolve()), "--serve-once", str(ck), dt])
-            row(f"serve {dt}: start + the same chat request twice", ours, None, "none",
-                last_json(ours["stdout"]) and json.dumps(last_json(ours["stdout"])),
-                ours_bytes=nbytes * (2 if dt == "float32" else 1))
+            o = last_json(ours["stdout"])
+            vs = (f"; {o['s_per_decoded_token'] * gen_rate[dt]:.2f}x generate's {1 / gen_rate[dt]:.4f} s a token"
+                  if o.get("s_per_decoded_token") and gen_rate.get(dt) else "")
+            row(f"serve {dt}: start, warm requests of 1 and 33 tokens", ours, None, "none",
+                json.dumps(o) + vs, ours_bytes=nbytes * (2 if dt == "float32" else 1))
     if "convert" in only:
         c, tc = work / "converted", work / "converted-hf"
         for d in (c, tc):
@@ -365,7 +414,7 @@ def main(argv=None) -> int:
 
     print(table(rows, ["operation", "amdllm_s", "amdllm_rss_gb", "amdllm_rss_vs_checkpoint", "peer", "peer_s",
                        "peer_rss_gb", "note"]))
-    write_json({"checkpoint_bytes": nbytes, "rows": rows}, a.out, "scale")
+    write_json({"checkpoint_bytes": nbytes, "machine": machine(), "rows": rows}, a.out, "scale")
     if not a.keep:
         for d in ("converted", "converted-hf", "gptq4", "gptq4-gm", "lora"):
             shutil.rmtree(work / d, ignore_errors=True)

@@ -5,6 +5,7 @@ rounding noise for the model's size (amdllm.model.logit_tolerance)."""
 import dataclasses
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -213,3 +214,82 @@ def test_decode_step_widens_one_kernel_at_a_time(monkeypatch):
     # gate and up share an input: `after` reads up's kernel once gate's output exists
     assert scratch < 0.5 * layer_f32 < layer_f32 < hoisted, (scratch, layer_f32, hoisted)
     assert int(tok[0]) == int(tok_hoisted[0])
+
+
+# --------------------------------------------------------------------------------------------------
+# bf16 dots on CPUs with bf16 instructions
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("transposed", [False, True])
+def test_bf16_dot_is_a_bf16_matmul_with_float32_sums(transposed):
+    """`fast.bf16_dot`: x rounded to bf16 times the bf16 kernel, summed in float32 (PyTorch's bf16
+    matmul); its backward dx = dy W^T likewise, with dy rounded to bf16. Kernel [in, out] or, transposed
+    (a tied head's embedding rows), [out, in]."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((96, 64)), jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((96, 48)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((64, 48)) * 0.1, jnp.bfloat16)
+    bits = jax.lax.bitcast_convert_type(w.T if transposed else w, jnp.uint16)
+    r16 = lambda a: np.asarray(a.astype(jnp.bfloat16).astype(jnp.float32), np.float64)  # noqa: E731
+    wf = np.asarray(w.astype(jnp.float32), np.float64)
+    y, vjp = jax.vjp(lambda x: fast.bf16_dot(x, bits, transposed), x)
+    np.testing.assert_allclose(np.asarray(y), r16(x) @ wf, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(vjp(dy)[0]), r16(dy) @ wf.T, rtol=1e-5, atol=1e-5)
+
+
+def bf16_dot_count(fn, *args) -> int:
+    """How many dots in fn's jaxpr (nested ones included) multiply two bf16 operands into float32."""
+    def count(jaxpr):
+        n = 0
+        for e in jaxpr.eqns:
+            if e.primitive.name == "dot_general":
+                n += all(v.aval.dtype == jnp.bfloat16 for v in e.invars) and e.outvars[0].aval.dtype == jnp.float32
+            for sub in jax.extend.core.jaxprs_in_params(e.params):
+                n += count(sub)
+        return n
+    return count(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+def test_lora_step_on_a_bf16_base_multiplies_in_bf16_where_the_cpu_can(monkeypatch):
+    """With bf16 dots (a CPU with AVX-512 BF16 or AMX: `amdllm.cpu.has_bf16_dots`), the frozen bf16 base's
+    projections and head run as bf16 x bf16 -> float32 dots, forward and backward, and give the loss and
+    LoRA gradients of the widening path (to bf16 rounding: dy is rounded to bf16 as PyTorch's does).
+    Decoding's one-row matmuls keep widening (slower as bf16 dots on XLA:CPU)."""
+    from amdllm.train.step import loss_fn, split_params
+    m = lora.apply_lora(bf16_model(dataclasses.replace(BIG, num_hidden_layers=2)), rank=4, alpha=8)
+    key = jax.random.key(3)
+    for i, name in enumerate(lora.lora_targets(m)):
+        var = getattr(m.layers, name + "_lora_b")
+        var.value = 0.05 * jax.random.normal(jax.random.fold_in(key, i), var.shape)
+    trained, frozen = split_params(m)
+    top, layers = fast.inference_weights({k: v for k, v in frozen.items() if k != "layers"}, frozen["layers"])
+    frozen = {**top, "layers": layers}
+    toks = tokens(2, 64) % BIG.vocab_size
+    batch = {"tokens": toks, "targets": jnp.roll(toks, -1, 1), "positions": jnp.broadcast_to(jnp.arange(64), (2, 64)),
+             "segment_ids": jnp.ones_like(toks), "weights": jnp.ones(toks.shape, jnp.float32)}
+    results, counts = {}, {}
+    for on in (False, True):
+        monkeypatch.setattr(fast, "has_bf16_dots", lambda on=on: on)
+        grad = lambda tr: jax.value_and_grad(lambda t: loss_fn(t, frozen, batch, model=m))(tr)  # noqa: E731
+        results[on] = grad(trained)
+        counts[on] = bf16_dot_count(grad, trained)
+    # the layer scan's body (7 projections, forward and backward) and the head's backward (attention's
+    # einsums and the head's forward are bf16 x bf16 -> float32 either way)
+    assert counts[True] - counts[False] >= 2 * 7 + 1, counts
+    (l0, g0), (l1, g1) = results[False], results[True]
+    assert abs(float(l1) - float(l0)) <= 2e-3 * abs(float(l0))
+    for k in g0:
+        scale = float(jnp.abs(g0[k]).max())
+        np.testing.assert_allclose(np.asarray(g1[k]), np.asarray(g0[k]), atol=3e-2 * scale, err_msg=k)
+    q = fast.Bits(layers["q_proj"].bits[0], jnp.bfloat16)  # has_bf16_dots is still True here
+    for rows, want in ((1, 0), (fast.BF16_DOT_MIN_ROWS, 1)):
+        assert bf16_dot_count(q.matmul, jnp.ones((rows, BIG.hidden_size), jnp.bfloat16)) == want, rows
+
+
+def test_bf16_dots_follow_the_cpu_flags_or_the_override(monkeypatch):
+    from amdllm import cpu
+    flags = next(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")).split()
+    for forced, want in (("0", False), ("1", True), ("", any(f in flags for f in cpu.BF16_FLAGS))):
+        monkeypatch.setenv("AMDLLM_BF16_DOTS", forced)
+        cpu.has_bf16_dots.cache_clear()
+        assert cpu.has_bf16_dots() is want
+    cpu.has_bf16_dots.cache_clear()

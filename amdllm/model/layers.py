@@ -59,12 +59,13 @@ def apply_rope(x, cos, sin):
 
 def linear(x, w, lora_a=None, lora_b=None, lora_scale=0.0, dropout=0.0, rng=None):
     """x [..., in] @ kernel [in, out] (+ LoRA). `w` is an array (dense), a dict of packed GPTQ tensors, or
-    narrow weights carried as bits (`model.fast.Bits`, read as floats once x exists: `widen_for`)."""
+    narrow weights carried as bits (`model.fast.Bits`, which multiply themselves: `Bits.matmul`)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])  # [rows, in]: XLA:CPU runs 2-D matmuls' backward faster than 3-D ones
-    if hasattr(w, "widen_for"):
-        w = w.widen_for(x2)
-    y = quantized_matmul(x2, w, x.dtype) if isinstance(w, dict) else x2 @ w.astype(x.dtype)
+    if hasattr(w, "matmul"):  # narrow weights as bits on a CPU (`model.fast.Bits`)
+        y = w.matmul(x2)
+    else:
+        y = quantized_matmul(x2, w, x.dtype) if isinstance(w, dict) else x2 @ w.astype(x.dtype)
     if lora_a is not None:
         y = y + lora_delta(x2, lora_a, lora_b, lora_scale, dropout, rng).astype(y.dtype)
     return y.reshape(*lead, y.shape[-1])

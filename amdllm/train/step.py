@@ -154,7 +154,9 @@ def make_train_step(model: Llama, optimizer: optax.GradientTransformation, full:
         new_trained, new_opt = jax.tree.map(keep, new_trained, trained), jax.tree.map(keep, new_opt, opt_state)
         return new_trained, new_opt, {"loss": loss, "grad_norm": gnorm, "ok": ok, "weight": total_w}
 
-    return jax.jit(step, donate_argnums=(0, 1), compiler_options=cpu_compiler_options("train", model.cfg.hidden_size))
+    narrow = not full and jnp.dtype(model.dtype) == jnp.bfloat16  # a frozen bf16 base: `fast.bf16_dot`
+    return jax.jit(step, donate_argnums=(0, 1),
+                   compiler_options=cpu_compiler_options("train", model.cfg.hidden_size, narrow=narrow))
 
 
 def make_eval_step(model: Llama):
@@ -219,7 +221,7 @@ def accelerator_name(device=None) -> str:
 
 def peak_flops(device=None) -> float:
     """Peak FLOP/s of one device: $AMDLLM_PEAK_FLOPS, else the planner's table (dense bf16 peak), else on a
-    CPU the measured float32 matmul rate (what this machine can do), else 0 (MFU not reported)."""
+    CPU the measured matmul rate (`plan.measure_cpu_flops`: what this machine can do), else 0 (MFU not reported)."""
     if os.environ.get("AMDLLM_PEAK_FLOPS"):
         return float(os.environ["AMDLLM_PEAK_FLOPS"])
     name = accelerator_name(device)
