@@ -26,11 +26,15 @@ def has_bf16_dots() -> bool:
         return forced == "1"
     if jax.default_backend() != "cpu":
         return False
+    return any(f in cpu_flags() for f in BF16_FLAGS)
+
+
+def cpu_flags() -> list[str]:
+    """The instruction-set flags /proc/cpuinfo lists for this CPU (empty where it cannot be read)."""
     try:
-        flags = next((ln.split(":", 1)[1].split() for ln in open("/proc/cpuinfo") if ln.startswith("flags")), [])
+        return next((ln.split(":", 1)[1].split() for ln in open("/proc/cpuinfo") if ln.startswith("flags")), [])
     except OSError:
-        return False
-    return any(f in flags for f in BF16_FLAGS)
+        return []
 
 
 def cpu_compiler_options(kind: str, hidden_size: int = 0, narrow: bool = False) -> dict | None:
@@ -41,7 +45,8 @@ def cpu_compiler_options(kind: str, hidden_size: int = 0, narrow: bool = False) 
     per-layer views, leaving the YNNPACK fusions off too, ~23 ms).
     train: the YNNPACK fusions win on large kernels and lose on small ones. A model with hidden_size below
     YNN_TRAIN_MIN_HIDDEN sends its dots to Eigen instead: the 31M benchmark step (hidden 512) ~1.07x
-    faster, unless its frozen base is bfloat16 on a CPU with bf16 dots (narrow=True): those need YNNPACK. At hidden 2048 (the 1B shape, batch 1 x 256, r8, 2 cores) XLA's defaults are: 15.2 against
+    faster, unless its frozen base is bfloat16 on a CPU with bf16 dots (narrow=True): those need
+    YNNPACK. At hidden 2048 (the 1B shape, batch 1 x 256, r8, 2 cores) XLA's defaults are: 15.2 against
     9.0 tokens/s with a bf16 base, 15.1 against 8.2 in float32 (BENCHMARKS.md, 1B section)."""
     if jax.default_backend() != "cpu":
         return None

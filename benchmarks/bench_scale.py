@@ -213,10 +213,10 @@ def peer_convert(model: str, out: str) -> dict:
 def machine() -> dict:
     """What the figures depend on: the CPU's model, cores and bf16 instructions (PyTorch's bf16 and
     amdllm's bf16 dots are fast only with them)."""
-    info = {ln.split(":", 1)[0].strip(): ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ":" in ln}
-    flags = info.get("flags", "").split()
-    from amdllm.cpu import BF16_FLAGS, has_bf16_dots
-    return {"cpu": info.get("model name"), "cores": os.cpu_count(), "bf16_instructions": [f for f in BF16_FLAGS if f in flags],
+    from amdllm.cpu import BF16_FLAGS, cpu_flags, has_bf16_dots
+    model = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), None)
+    flags = cpu_flags()
+    return {"cpu": model, "cores": os.cpu_count(), "bf16_instructions": [f for f in BF16_FLAGS if f in flags],
             "avx512f": "avx512f" in flags, "amdllm_bf16_dots": has_bf16_dots(),
             "mem_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1)}
 

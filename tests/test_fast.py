@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from amdllm.config import LlamaConfig
-from amdllm.model import fast, llama, lora
+from amdllm.model import fast, llama, lora, narrow
 from amdllm.model.llama import Llama, Run, logit_tolerance, to_pure
 from amdllm.quant import QuantSpec, quantize_model
 
@@ -118,11 +118,11 @@ def bf16_model(cfg=BIG):
 def test_bits_share_memory_and_read_back_exactly():
     m = bf16_model()
     top, layers = to_pure(m)
-    btop, blayers = fast.inference_weights(top, layers)
+    btop, blayers = narrow.inference_weights(top, layers)
     b = blayers["gate_proj"]
-    assert isinstance(b, fast.Bits) and b.bits.dtype == jnp.uint16
+    assert isinstance(b, narrow.Bits) and b.bits.dtype == jnp.uint16
     assert b.bits.unsafe_buffer_pointer() == layers["gate_proj"].unsafe_buffer_pointer()  # no copy
-    assert not isinstance(btop["norm"], fast.Bits)  # norms stay arrays
+    assert not isinstance(btop["norm"], narrow.Bits)  # norms stay arrays
     np.testing.assert_array_equal(np.asarray(b.value()), np.asarray(layers["gate_proj"]))
     assert fast.layer_views(blayers) is None  # decoding scans the bits (one layer widened at a time)
 
@@ -139,7 +139,7 @@ def test_evaluation_of_narrow_weights_widens_one_layer_at_a_time():
     seg = jnp.ones_like(toks)
     stack_f32 = sum(a.size * 4 for a in jax.tree.leaves(layers))
     plain = fn.lower(top, layers, toks, seg).compile().memory_analysis().temp_size_in_bytes
-    btop, blayers = fast.inference_weights(top, layers)
+    btop, blayers = narrow.inference_weights(top, layers)
     bits = fn.lower(btop, blayers, toks, seg).compile().memory_analysis().temp_size_in_bytes
     assert plain > stack_f32 > 2 * bits, (plain, stack_f32, bits)  # the first: what this fixes
     np.testing.assert_allclose(np.asarray(fn(btop, blayers, toks, seg)), np.asarray(fn(top, layers, toks, seg)),
@@ -157,18 +157,18 @@ def llama_token_nll(logits, targets):
 @pytest.mark.parametrize("tied", [True, False])
 def test_blocked_head_and_nll_equal_the_whole_head(monkeypatch, tied):
     """By vocabulary blocks, with a remainder block (1000 = 3 x 333 + 1), tied or not, narrow or not."""
-    monkeypatch.setattr(fast, "HEAD_BLOCK", 300)
+    monkeypatch.setattr(narrow, "HEAD_BLOCK", 300)
     cfg = dataclasses.replace(BIG, tie_word_embeddings=tied)
     for dtype in (jnp.bfloat16, jnp.float32):
         m = Llama(cfg, rngs=nnx.Rngs(1), param_dtype=dtype, dtype=jnp.float32)
         top, _ = to_pure(m)
-        btop, _ = fast.inference_weights(top, {})
+        btop, _ = narrow.inference_weights(top, {})
         h = jax.random.normal(jax.random.key(2), (3, 5, cfg.hidden_size))
         t = jax.random.randint(jax.random.key(3), (3, 5), 0, cfg.vocab_size)
         want = llama.head(top, h, jnp.float32)
-        np.testing.assert_allclose(np.asarray(jax.jit(fast.head_blocked, static_argnums=2)(btop, h, jnp.float32)), np.asarray(want),
+        np.testing.assert_allclose(np.asarray(jax.jit(narrow.head_blocked, static_argnums=2)(btop, h, jnp.float32)), np.asarray(want),
                                    rtol=1e-5, atol=1e-5)
-        nll = jax.jit(fast.token_nll_blocked, static_argnums=3)(btop, h, t, jnp.float32)
+        nll = jax.jit(narrow.token_nll_blocked, static_argnums=3)(btop, h, t, jnp.float32)
         np.testing.assert_allclose(np.asarray(nll), np.asarray(llama_token_nll(want, t)), rtol=1e-5, atol=1e-5)
 
 
@@ -194,7 +194,7 @@ def test_decode_step_widens_one_kernel_at_a_time(monkeypatch):
     the layer's kernels in float32 (and above all of them without it: what this fixes)."""
     from amdllm.infer import generate as gen
     m = bf16_model(dataclasses.replace(BIG, intermediate_size=2048, vocab_size=256))
-    top, layers = fast.inference_weights(*to_pure(m))
+    top, layers = narrow.inference_weights(*to_pure(m))
     layer_f32 = sum(a.bits[0].size * 4 for a in layers.values() if a.bits.ndim == 3)
 
     def step_scratch():
@@ -207,8 +207,8 @@ def test_decode_step_widens_one_kernel_at_a_time(monkeypatch):
         return step.lower(*args).compile().memory_analysis().temp_size_in_bytes, step(*args)[0]
 
     scratch, tok = step_scratch()
-    monkeypatch.setattr(fast.Bits, "widen_for", lambda self, x: self.value())
-    monkeypatch.setattr(fast.Bits, "after", lambda self, y: self)
+    monkeypatch.setattr(narrow.Bits, "widen_for", lambda self, x: self.value())
+    monkeypatch.setattr(narrow.Bits, "after", lambda self, y: self)
     hoisted, tok_hoisted = step_scratch()
     gen._COMPILED.clear()
     # gate and up share an input: `after` reads up's kernel once gate's output exists
@@ -221,7 +221,7 @@ def test_decode_step_widens_one_kernel_at_a_time(monkeypatch):
 # --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("transposed", [False, True])
 def test_bf16_dot_is_a_bf16_matmul_with_float32_sums(transposed):
-    """`fast.bf16_dot`: x rounded to bf16 times the bf16 kernel, summed in float32 (PyTorch's bf16
+    """`narrow.bf16_dot`: x rounded to bf16 times the bf16 kernel, summed in float32 (PyTorch's bf16
     matmul); its backward dx = dy W^T likewise, with dy rounded to bf16. Kernel [in, out] or, transposed
     (a tied head's embedding rows), [out, in]."""
     rng = np.random.default_rng(0)
@@ -231,7 +231,7 @@ def test_bf16_dot_is_a_bf16_matmul_with_float32_sums(transposed):
     bits = jax.lax.bitcast_convert_type(w.T if transposed else w, jnp.uint16)
     r16 = lambda a: np.asarray(a.astype(jnp.bfloat16).astype(jnp.float32), np.float64)  # noqa: E731
     wf = np.asarray(w.astype(jnp.float32), np.float64)
-    y, vjp = jax.vjp(lambda x: fast.bf16_dot(x, bits, transposed), x)
+    y, vjp = jax.vjp(lambda x: narrow.bf16_dot(x, bits, transposed), x)
     np.testing.assert_allclose(np.asarray(y), r16(x) @ wf, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(vjp(dy)[0]), r16(dy) @ wf.T, rtol=1e-5, atol=1e-5)
 
@@ -261,14 +261,14 @@ def test_lora_step_on_a_bf16_base_multiplies_in_bf16_where_the_cpu_can(monkeypat
         var = getattr(m.layers, name + "_lora_b")
         var.value = 0.05 * jax.random.normal(jax.random.fold_in(key, i), var.shape)
     trained, frozen = split_params(m)
-    top, layers = fast.inference_weights({k: v for k, v in frozen.items() if k != "layers"}, frozen["layers"])
+    top, layers = narrow.inference_weights({k: v for k, v in frozen.items() if k != "layers"}, frozen["layers"])
     frozen = {**top, "layers": layers}
     toks = tokens(2, 64) % BIG.vocab_size
     batch = {"tokens": toks, "targets": jnp.roll(toks, -1, 1), "positions": jnp.broadcast_to(jnp.arange(64), (2, 64)),
              "segment_ids": jnp.ones_like(toks), "weights": jnp.ones(toks.shape, jnp.float32)}
     results, counts = {}, {}
     for on in (False, True):
-        monkeypatch.setattr(fast, "has_bf16_dots", lambda on=on: on)
+        monkeypatch.setattr(narrow, "has_bf16_dots", lambda on=on: on)
         grad = lambda tr: jax.value_and_grad(lambda t: loss_fn(t, frozen, batch, model=m))(tr)  # noqa: E731
         results[on] = grad(trained)
         counts[on] = bf16_dot_count(grad, trained)
@@ -280,8 +280,8 @@ def test_lora_step_on_a_bf16_base_multiplies_in_bf16_where_the_cpu_can(monkeypat
     for k in g0:
         scale = float(jnp.abs(g0[k]).max())
         np.testing.assert_allclose(np.asarray(g1[k]), np.asarray(g0[k]), atol=3e-2 * scale, err_msg=k)
-    q = fast.Bits(layers["q_proj"].bits[0], jnp.bfloat16)  # has_bf16_dots is still True here
-    for rows, want in ((1, 0), (fast.BF16_DOT_MIN_ROWS, 1)):
+    q = narrow.Bits(layers["q_proj"].bits[0], jnp.bfloat16)  # has_bf16_dots is still True here
+    for rows, want in ((1, 0), (narrow.BF16_DOT_MIN_ROWS, 1)):
         assert bf16_dot_count(q.matmul, jnp.ones((rows, BIG.hidden_size), jnp.bfloat16)) == want, rows
 
 

@@ -100,7 +100,7 @@ def run(args) -> int:
     if dtype == "auto":  # docs/cli.md: the measurements behind this choice
         stored = checkpoint.stored_dtype(Path(model_dir))
         # a GPTQ base on a CPU computes in float32 whatever its file says: its projections are packed
-        # either way, and its dequantized kernels are not bf16 dots (`model.fast.bf16_dot`)
+        # either way, and its dequantized kernels are not bf16 dots (`model.narrow.bf16_dot`)
         dtype = ("bfloat16" if jax.default_backend() != "cpu" or (stored == "bfloat16" and not quant)
                  else "float32")
     spec = args.mesh or ("auto" if jax.device_count() > 1 else None)

@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from amdllm.model import Run
-from amdllm.model.fast import forward, head_blocked
+from amdllm.model.fast import forward
+from amdllm.model.narrow import head_blocked
 
 
 def inference_run(model) -> Run:

@@ -45,7 +45,8 @@ import numpy as np
 from amdllm.infer.decode import inference_run, last_logits, sample_rows, step_logits
 from amdllm.model import KVCache, to_pure
 from amdllm.cpu import cpu_compiler_options
-from amdllm.model.fast import inference_weights, init_cache, layer_views
+from amdllm.model.fast import init_cache, layer_views
+from amdllm.model.narrow import inference_weights
 from amdllm.io.tokenizer import pad_id as tokenizer_pad_id
 
 log = logging.getLogger("amdllm.infer.engine")

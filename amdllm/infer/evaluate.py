@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from amdllm.infer.decode import inference_run
 from amdllm.model import forward, to_pure
-from amdllm.model.fast import inference_weights, token_nll_blocked
+from amdllm.model.narrow import inference_weights, token_nll_blocked
 from amdllm.model.inputs import expect_model, expect_tokenizer
 from amdllm.model.inputs import token_ids as check_ids
 

@@ -32,7 +32,8 @@ from amdllm.io.tokenizer import load_tokenizer, pad_id
 from amdllm.infer.decode import inference_run, last_logits, sample_token, step_logits
 from amdllm.model import KVCache, to_pure
 from amdllm.cpu import cpu_compiler_options
-from amdllm.model.fast import inference_weights, init_cache, layer_views, split_cache
+from amdllm.model.fast import init_cache, layer_views, split_cache
+from amdllm.model.narrow import inference_weights
 from amdllm.model.inputs import expect_model, expect_tokenizer, token_ids
 
 PROMPT_BUCKET = 16

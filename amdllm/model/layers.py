@@ -59,10 +59,10 @@ def apply_rope(x, cos, sin):
 
 def linear(x, w, lora_a=None, lora_b=None, lora_scale=0.0, dropout=0.0, rng=None):
     """x [..., in] @ kernel [in, out] (+ LoRA). `w` is an array (dense), a dict of packed GPTQ tensors, or
-    narrow weights carried as bits (`model.fast.Bits`, which multiply themselves: `Bits.matmul`)."""
+    narrow weights carried as bits (`model.narrow.Bits`, which multiply themselves: `Bits.matmul`)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])  # [rows, in]: XLA:CPU runs 2-D matmuls' backward faster than 3-D ones
-    if hasattr(w, "matmul"):  # narrow weights as bits on a CPU (`model.fast.Bits`)
+    if hasattr(w, "matmul"):  # narrow weights as bits on a CPU (`model.narrow.Bits`)
         y = w.matmul(x2)
     else:
         y = quantized_matmul(x2, w, x.dtype) if isinstance(w, dict) else x2 @ w.astype(x.dtype)

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from amdllm import model as M
 import amdllm.model.fast as fast
+import amdllm.model.narrow as narrow
 from amdllm.model.inputs import expect_model
 from amdllm.model.llama import attention_mask
 from amdllm.config import LlamaConfig
@@ -130,9 +131,9 @@ def _calibration_fns(cfg_json: str):
     def layer_params(layers, li):
         """Layer li of the stacked params, float32, and its kernels transposed to the reference's
         [out, in]: one compile, not an eager slice or transpose compiled per shape."""
-        # narrow weights come as `fast.Bits`: one layer is sliced from the bits and widened (XLA:CPU would
+        # narrow weights come as `narrow.Bits`: one layer is sliced from the bits and widened (XLA:CPU would
         # widen the whole stack to slice it)
-        p = {k: fast.widen(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, li, keepdims=False), v))
+        p = {k: narrow.widen(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, li, keepdims=False), v))
              .astype(jnp.float32) for k, v in layers.items()}
         return p, {k: p[k].T for k in M.PROJECTIONS}
 
@@ -246,7 +247,7 @@ def quantize_model(model, windows, spec, *, method: str = "gptq", batch_size: in
         consts = [(cos[:xs.shape[1]], sin[:xs.shape[1]], mask[:xs.shape[1]]) for xs in chunks]
         ntok = n * T
 
-    layers = fast.carry_bits(layers)
+    layers = narrow.carry_bits(layers)
     groups = SEQUENTIAL if spec.true_sequential else (M.PROJECTIONS,)
     plan, fwd_reuse = attention_plan(groups)
     futures = (_compile_ahead(fns, spec, layers, chunks, consts, groups, plan, fwd_reuse, report)

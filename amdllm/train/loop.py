@@ -31,7 +31,7 @@ from amdllm.files import atomic_write_bytes, atomic_write_text, remove_stale
 from amdllm.io.peft import save_adapter
 from amdllm.model import Llama
 import amdllm.model.lora as lora_mod
-from amdllm.model.fast import inference_weights
+from amdllm.model.narrow import inference_weights
 from amdllm.model.inputs import expect_model
 from amdllm.parallel import distributed
 from amdllm.parallel.sharding import batch_ways, put, shard_model

@@ -154,7 +154,7 @@ def make_train_step(model: Llama, optimizer: optax.GradientTransformation, full:
         new_trained, new_opt = jax.tree.map(keep, new_trained, trained), jax.tree.map(keep, new_opt, opt_state)
         return new_trained, new_opt, {"loss": loss, "grad_norm": gnorm, "ok": ok, "weight": total_w}
 
-    narrow = not full and jnp.dtype(model.dtype) == jnp.bfloat16  # a frozen bf16 base: `fast.bf16_dot`
+    narrow = not full and jnp.dtype(model.dtype) == jnp.bfloat16  # a frozen bf16 base: `narrow.bf16_dot`
     return jax.jit(step, donate_argnums=(0, 1),
                    compiler_options=cpu_compiler_options("train", model.cfg.hidden_size, narrow=narrow))
 

@@ -1,0 +1,254 @@
+"""Narrow weights (bfloat16, float16) on a CPU, where XLA:CPU widens every bf16 operand to float32.
+
+  * Weights that are not differentiated (inference, a frozen LoRA base) travel as their bits (`carry_bits`,
+    `Bits`), so the layer scan slices integers and one layer is widened at a time, not the whole stack.
+  * The output head runs by vocabulary blocks (`head_blocked`, `token_nll_blocked`): a 128k-row head
+    widened whole is 1 GB, and a batch of windows' [B, T, V] float32 logits as much again.
+  * bf16 dots (`bf16_dot`): on a CPU with bf16 instructions (`amdllm.cpu.has_bf16_dots`), a bfloat16
+    frozen base is multiplied as bf16 x bf16 -> float32, forward and backward, instead of being widened:
+    XLA:CPU runs those dots about 2x faster than float32 (the 1B LoRA step: 43 -> 63-73 tokens/s). From
+    BF16_DOT_MIN_ROWS rows up: decoding's one-row products stay widened, which is faster there.
+CPU only: elsewhere `carry_bits` leaves arrays as they are. `amdllm.model.fast` composes these into its
+kernels (`fence`, `lookup`, the checkpoint policy) and its forward (`head_blocked`).
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from amdllm.cpu import has_bf16_dots
+from amdllm.model.layers import head as llama_head
+
+
+HEAD_BLOCK = 8192  # vocabulary rows per head block: [rows, 8192] float32 logits; 64 MB of float32 weights (D 2048)
+BF16_DOT_MIN_ROWS = 64  # below this (decoding), XLA:CPU's bf16 dots lose to widening (1B shape: 2.5 vs 3.2 tokens/s)
+
+
+@jax.tree_util.register_pytree_node_class
+class Bits:
+    """A bfloat16/float16 array carried as its raw bits (uint16), so XLA:CPU does not widen it whole.
+
+    XLA:CPU computes almost nothing in bfloat16 (bf16 dots into float32 on CPUs with bf16 instructions,
+    `bf16_dot`, are the exception): it widens every narrow operand to float32, slicing included, so
+    the layer scan's slice of the stacked weights becomes a slice of a float32 copy of the whole stack,
+    which it then hoists out of the loop (a 2.47 GB bf16 1B model evaluated at 7.5 GB). Integers are
+    sliced as they are: the scan slices the bits, and `fence` and `widen_for` turn one layer's slice back
+    into floats.
+    Bits have no gradient: only weights that are not differentiated (a frozen base, inference) use them."""
+
+    def __init__(self, bits, dtype):
+        self.bits, self.dtype = bits, jnp.dtype(dtype)
+
+    def tree_flatten(self):
+        return (self.bits,), self.dtype
+
+    @classmethod
+    def tree_unflatten(cls, dtype, children):
+        return cls(children[0], dtype)
+
+    @property
+    def shape(self):
+        return self.bits.shape
+
+    def value(self):
+        return jax.lax.bitcast_convert_type(self.bits, self.dtype)
+
+    def after(self, y):
+        """The same bits, read only once y exists (see `widen_for`)."""
+        return Bits(self.bits | _zero_of(y, self.bits.dtype), self.dtype)
+
+    def widen_for(self, x):
+        """The floats, read only once `x` (the matmul's input) exists. XLA:CPU's scheduler otherwise
+        widens all of a layer's kernels at the top of the layer, each into float32, so they sit side by
+        side (1B bf16 decode step: 254 MB of scratch, where one MLP kernel is 67 MB). min(u, 0) is 0 for
+        any unsigned u, but XLA does not fold it: OR-ing it in is exact and orders the read after x."""
+        return jax.lax.bitcast_convert_type(self.bits | _zero_of(x, self.bits.dtype), self.dtype)
+
+    def matmul(self, x2):
+        """x2 [M, in] @ these weights [in, out] -> [M, out] in x2's dtype (`layers.linear`). bfloat16 on a
+        CPU with bf16 dots: multiplied as bfloat16 into float32 (`bf16_dot`), never widened; otherwise
+        widened just before the matmul (`widen_for`)."""
+        if bf16_dots_for(self, x2.shape[0]):
+            return bf16_dot(x2, self.bits)
+        return x2 @ self.widen_for(x2).astype(x2.dtype)
+
+
+def _contract(a, b, b_axis):
+    """a [M, K] . b over b's axis b_axis (b [K, N] or [N, K]) -> [M, N]: bf16 operands, float32 sums."""
+    return jax.lax.dot_general(a.astype(jnp.bfloat16), b, (((1,), (b_axis,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def bf16_dot(x2, bits, transposed: bool = False):
+    """x2 [M, K] @ the bfloat16 kernel whose bits are `bits` [K, N] ([N, K] if transposed, as a tied head's
+    embedding rows) -> [M, N] in x2's dtype: bf16 operands, float32 accumulation, as PyTorch's bf16
+    matmuls. On a CPU with bf16 instructions XLA:CPU runs this 2x faster than float32; a bf16 x bf16 ->
+    bf16 dot, or a mixed one (autodiff's dx = dy W^T with dy in float32), widens instead. The kernel is
+    frozen: the backward gives dx only, in the same form."""
+    w = jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
+    return _contract(x2, w, 1 if transposed else 0).astype(x2.dtype)
+
+
+def _bf16_dot_bwd(transposed, bits, dy):
+    w = jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
+    return _contract(dy, w, 0 if transposed else 1).astype(dy.dtype), None                # [M, K]
+
+
+bf16_dot.defvjp(lambda x2, bits, transposed: (bf16_dot(x2, bits, transposed), bits), _bf16_dot_bwd)
+
+
+def bf16_dots_for(w, rows: int) -> bool:
+    """Whether a matmul of `rows` rows by narrow weights `w` runs as `bf16_dot`."""
+    return _is_bits(w) and w.dtype == jnp.bfloat16 and rows >= BF16_DOT_MIN_ROWS and has_bf16_dots()
+
+
+def _zero_of(x, dtype):
+    """A 0 of `dtype` that XLA computes from x's first element (and cannot fold): ordering, not data."""
+    s = jax.lax.stop_gradient(x).reshape(-1)[0]
+    u = jax.lax.bitcast_convert_type(s, {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[s.dtype.itemsize])
+    return jnp.minimum(u, jnp.zeros_like(u)).astype(dtype)
+
+
+def _is_bits(a) -> bool:
+    return isinstance(a, Bits)
+
+
+def has_bits(tree) -> bool:
+    return any(_is_bits(a) for a in jax.tree.leaves(tree, is_leaf=_is_bits))
+
+
+def _narrow(a) -> bool:
+    return _is_bits(a) or (jnp.issubdtype(a.dtype, jnp.floating) and jnp.dtype(a.dtype).itemsize == 2)
+
+
+def _bits_view(a):
+    """A narrow CPU array's bits as a uint16 jax array sharing its buffer, or None where that cannot be
+    had without a copy (then the float array is used as it is)."""
+    if not isinstance(a, jax.Array) or len(a.sharding.device_set) != 1:
+        return None
+    host = np.asarray(a).view(np.uint16)  # zero-copy on the CPU
+    v = jax.device_put(host, next(iter(a.sharding.device_set)), may_alias=True)
+    return Bits(v, a.dtype) if v.unsafe_buffer_pointer() == host.ctypes.data else None
+
+
+def carry_bits(tree):
+    """`tree` with its bfloat16/float16 arrays as `Bits` sharing their memory, on the CPU back end
+    (elsewhere, or where a view would copy, unchanged). Call it outside jit, on weights that are never
+    differentiated (a gradient through Bits is zero)."""
+    if jax.default_backend() != "cpu":
+        return tree
+
+    def conv(a):
+        if _is_bits(a) or not _narrow(a):
+            return a
+        b = _bits_view(a)
+        return a if b is None else b
+    return jax.tree.map(conv, tree, is_leaf=_is_bits)
+
+
+def inference_weights(top: dict, layers):
+    """(top, layers) for forward passes that do not differentiate them (inference, a frozen base), with
+    the stacked layers and the embedding / head tables as `Bits` where narrow on a CPU (the final norm
+    stays an array). Outside jit."""
+    table = {k: carry_bits(v) for k, v in top.items() if k in ("embed_tokens", "lm_head")}
+    return {**top, **table}, carry_bits(layers)
+
+
+def widen(a):
+    """An array, or `Bits` read back as floats: all of it, now."""
+    return a.value() if _is_bits(a) else a
+
+
+def fence(p):
+    """A layer's parameters with any `Bits` turned back into floats (`Kernels.weights` of the fast kernels),
+    but for the dense 2-D kernels: `layers.linear` widens each of those just before its matmul (`widen_for`).
+    (A GPTQ projection's dict of packed tensors is widened here: its scales feed the dequantization.)"""
+    return {k: v if _is_bits(v) and v.bits.ndim == 2 else jax.tree.map(widen, v, is_leaf=_is_bits)
+            for k, v in p.items()}
+
+
+RECOMPUTED = ("convert_element_type", "bitcast_convert_type", "transpose", "dynamic_slice", "or", "min")
+
+
+def keep_all_but_widening(prim, *_, **__) -> bool:
+    """jax.checkpoint policy: keep every residual but those of the ops that fetch and widen a weight (a
+    slice, the bits read as floats and `widen_for`'s OR, a transpose, a dtype conversion: all cheap),
+    which the backward redoes.
+    Autodiff would otherwise keep each layer's (and each head block's) widened frozen weights for the
+    backward: the whole stack in float32."""
+    return prim.name not in RECOMPUTED
+
+
+def lookup(table, tokens):
+    """Embedding rows [B, T, D] (`Kernels.lookup`), gathered from the bits when the table is `Bits`."""
+    if _is_bits(table):
+        return Bits(jnp.take(table.bits, tokens, axis=0), table.dtype).value()
+    return jnp.take(table, tokens, axis=0)
+
+
+def _head_table(top):
+    """(the head's weight, its vocabulary axis): the tied embedding [V, D] or lm_head [D, V]."""
+    return (top["embed_tokens"], 0) if "lm_head" not in top else (top["lm_head"], 1)
+
+
+def _fold_head(top, h2, dtype, step, carry):
+    """carry = step(carry, logits [N, n] float32, start) over the head's vocabulary blocks [start, start+n);
+    h2 [N, D]. The blocks are scanned (one compiled body); a remainder runs last."""
+    w, axis = _head_table(top)
+    tied = axis == 0
+    V = w.shape[axis]
+    n = max(1, V // HEAD_BLOCK)
+    size = V // n
+
+    def logits(start, rows):
+        if bf16_dots_for(w, h2.shape[0]):
+            blk = jax.lax.dynamic_slice_in_dim(w.bits, start, rows, axis=axis)
+            return bf16_dot(h2.astype(jnp.float32), blk, tied)                           # [N, rows]
+        blk = widen(jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, rows, axis=axis), w))
+        blk = blk.T if tied else blk                                                     # [D, rows]
+        return jnp.dot(h2, blk.astype(dtype), preferred_element_type=jnp.float32)       # [N, rows]
+
+    logits = jax.checkpoint(logits, policy=keep_all_but_widening, static_argnums=(1,))
+    carry, _ = jax.lax.scan(lambda c, i: (step(c, logits(i * size, size), i * size), None), carry,
+                            jnp.arange(n))
+    if n * size < V:
+        carry = step(carry, logits(n * size, V - n * size), n * size)
+    return carry
+
+
+def head_blocked(top: dict, h, dtype):
+    """`layers.head` (float32 logits [..., V]) by vocabulary blocks when the head is narrow on a CPU, so
+    it is never widened whole. Differentiable in h (and in a plain narrow head; `Bits` get none)."""
+    w, axis = _head_table(top)
+    if jax.default_backend() != "cpu" or not _narrow(w):
+        return llama_head(top, h, dtype)
+    lead, D = h.shape[:-1], h.shape[-1]
+    h2 = h.reshape(-1, D)
+    V = w.shape[axis]
+    out = _fold_head(top, h2, dtype, lambda o, lg, s: jax.lax.dynamic_update_slice_in_dim(o, lg, s, axis=1),
+                     jnp.zeros((h2.shape[0], V), jnp.float32))
+    return out.reshape(*lead, V)
+
+
+def token_nll_blocked(top: dict, h, targets, dtype):
+    """-log softmax(head(h))[target] per position in float32, never holding [..., V] logits: the head by
+    vocabulary blocks with a running logsumexp. h [..., D] (normed), targets [...] int -> [...].
+    Evaluation only (training's logits go through `token_nll`, which has the backward)."""
+    lead, D = h.shape[:-1], h.shape[-1]
+    h2, t = h.reshape(-1, D), targets.reshape(-1)
+
+    def step(c, lg, start):
+        m, s, picked = c
+        m_new = jnp.maximum(m, jnp.max(lg, axis=-1))
+        s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(lg - m_new[:, None]), axis=-1)
+        hit = (t - start)[:, None] == jnp.arange(lg.shape[-1])[None]
+        return m_new, s, picked + jnp.sum(jnp.where(hit, lg, 0.0), axis=-1)
+
+    N = h2.shape[0]
+    m, s, picked = _fold_head(top, h2, dtype, step, (jnp.full((N,), -jnp.inf, jnp.float32),
+                                                     jnp.zeros((N,), jnp.float32), jnp.zeros((N,), jnp.float32)))
+    return (m + jnp.log(s) - picked).reshape(lead)
