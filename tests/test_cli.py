@@ -4,7 +4,11 @@ one-line errors; and the silent-CPU-fallback diagnosis on made-up machines."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -125,10 +129,11 @@ def test_cli_errors_are_one_line(ckpt, tmp_path, capfd):
 
 def test_doctor_json(capfd):
     r = run_json(capfd, ["doctor"])
-    for key in ("backend", "jax", "versions", "torch", "system", "env", "warnings", "host_memory_bytes"):
+    for key in ("backend", "jax", "versions", "torch", "system", "env", "warnings", "host_memory_bytes", "huge_pages"):
         assert key in r
     assert r["backend"] == "cpu" and r["jax"]["devices"][0]["platform"] == "cpu"
     assert r["versions"]["jax"] and r["versions"]["flax"] and isinstance(r["warnings"], list)
+    assert set(r["huge_pages"]) == {"malloc_hugetlb", "glibc_tunables", "glibc", "thp"}
 
 
 def facts(backend="cpu", platform_version="cpu", kfd=False, nvidia=(), torch=None, plugins=None, env_vars=None):
@@ -164,3 +169,62 @@ def test_other_setup_warnings():
     assert "could not list its devices" in env.diagnose(broken)[0]
     gpu_torch = {"installed": True, "hip": "6.2", "cuda": None, "gpu_available": True, "gpu_count": 1}
     assert "PREALLOCATE" in env.diagnose(facts(backend="gpu", platform_version="rocm", torch=gpu_torch))[0]
+
+
+@pytest.fixture
+def huge_page_machine(monkeypatch):
+    """Linux with glibc 2.36 and THP in madvise mode, whatever this machine is."""
+    monkeypatch.setattr(env.sys, "platform", "linux")
+    monkeypatch.setattr(env, "glibc_version", lambda: (2, 36))
+    monkeypatch.setattr(env, "thp_mode", lambda: "madvise")
+    return monkeypatch
+
+
+def test_hugetlb_env_decisions(huge_page_machine):
+    m = huge_page_machine
+    new = env.hugetlb_env({"PATH": "/bin"})
+    assert new == {"PATH": "/bin", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1", env.REEXEC_ENV: "1"}
+    assert env.hugetlb_env(new) is None  # the re-executed command does not go again
+    assert env.hugetlb_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})["GLIBC_TUNABLES"] == \
+        "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"  # other tunables kept, ours appended
+    for already in ("glibc.malloc.hugetlb=1", "glibc.malloc.hugetlb=0",
+                    "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=2"):
+        assert env.hugetlb_env({"GLIBC_TUNABLES": already}) is None  # named already: the user's choice
+    assert env.hugetlb_env({"AMDLLM_HUGETLB": "0"}) is None
+    assert env.hugetlb_env({env.REEXEC_ENV: "1"}) is None
+    m.setattr(env, "thp_mode", lambda: "always")
+    assert env.hugetlb_env({}) is not None
+    for thp in ("never", None):
+        m.setattr(env, "thp_mode", lambda thp=thp: thp)
+        assert env.hugetlb_env({}) is None
+    m.setattr(env, "thp_mode", lambda: "madvise")
+    for old in ((2, 34), (2, 31), None):  # no such tunable before glibc 2.35; not glibc at all
+        m.setattr(env, "glibc_version", lambda old=old: old)
+        assert env.hugetlb_env({}) is None
+    m.setattr(env, "glibc_version", lambda: (2, 39))
+    assert env.hugetlb_env({}) is not None
+    m.setattr(env.sys, "platform", "darwin")
+    assert env.hugetlb_env({}) is None
+
+
+def test_machine_facts_parse(tmp_path):
+    f = tmp_path / "enabled"
+    f.write_text("always [madvise] never\n")
+    assert env.thp_mode(str(f)) == "madvise"
+    assert env.thp_mode(str(tmp_path / "missing")) is None
+    assert env.malloc_hugetlb({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"}) == "1"
+    assert env.malloc_hugetlb({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) is None
+    assert env.malloc_hugetlb({}) is None
+
+
+def test_command_sets_huge_page_malloc_itself():
+    """`amdllm` started without GLIBC_TUNABLES runs (re-executed once) with glibc.malloc.hugetlb=1."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "AMDLLM_HUGETLB", env.REEXEC_ENV)}
+    out = subprocess.run([sys.executable, "-m", "amdllm.cli", "doctor", "--json"], env=clean, capture_output=True,
+                         text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr
+    h = json.loads(out.stdout)["huge_pages"]
+    if not sys.platform.startswith("linux") or (env.glibc_version() or (0, 0)) < (2, 35) \
+            or env.thp_mode() not in ("madvise", "always"):
+        pytest.skip(f"no huge-page malloc here (glibc {h['glibc']}, THP {h['thp']}): nothing to set")
+    assert h["malloc_hugetlb"] and h["glibc_tunables"] == "glibc.malloc.hugetlb=1", h
