@@ -1,23 +1,28 @@
-"""LoRA training step: amdllm (one jitted JAX step) vs transformers + peft (PyTorch eager), same run.
+"""LoRA training step: amdllm (one jitted JAX step) vs transformers + peft (PyTorch eager), each in its own process.
 
-Same model shape (random weights), batch, sequence length, LoRA rank/alpha/targets, AdamW, float32,
-same machine, same process, in rounds: two steps of amdllm, then two of PEFT, and so on (never
-competing for cores, and a load change on a shared machine hits both); the second step of each pair is
-timed (see `run_alternating`). Reports tokens/s (token positions processed per second), MFU, the ratio
-of medians and the ratio per round.
+Same model shape (random weights), batches, sequence length, LoRA rank/alpha/targets, AdamW, float32, same
+machine. Each side runs in a fresh Python process that imports only its own stack (the amdllm child never
+imports torch, the peft child never imports jax; it asserts so): in one process XLA's and PyTorch's thread
+pools fight over the cores. A child builds the model, runs one untimed warm-up step (compile, allocator),
+then --steps timed steps back to back on the same seeded batches, and prints one JSON line. The parent
+starts --runs children per side, alternating amdllm, peft, amdllm, peft... (a "round" is one of each), so a
+load change on a shared machine hits both sides. Per side: the median over runs of each run's median step
+time (tokens/s = token positions processed per second), the spread over runs ((max - min) / median), MFU;
+the ratio of those medians, and the ratio per round.
 
 MFU = tokens/s * FLOPs/token / peak. FLOPs/token is the planner's LoRA count (amdllm.parallel.plan):
 4N + 12*L*S*q + 6*L*r*sum(in+out), N = matmul parameters (lm_head included): forward 2N plus
 activation gradients 2N, NO frozen weight gradients. Peak: the planner's table on accelerators; on a
 CPU, measured in the run. On a shared VM the float32 matmul rate jumps between ~75 and ~155 GFLOP/s
-from one second to the next, so one measurement at the end says more about that second than about the
-run. Each round therefore measures, right after amdllm's timed step, a 1024^3 `jnp.dot` repeated for
-`--peak-seconds` (default 1.5 s): its sustained rate over that window, and its best single call.
-  mfu          median over rounds of (the step's FLOP/s / that round's sustained matmul rate)
-  mfu_vs_best  the median step's FLOP/s / the best single matmul of the whole run (the conservative one)
+from one second to the next, so one measurement says more about that second than about the run. Each
+amdllm process therefore measures, right after its timed steps, a 1024^3 `jnp.dot` repeated for
+`--peak-seconds` (default 1.5 s): its sustained rate over that window, and its best single call. Both
+sides' MFU use these amdllm-process peaks:
+  mfu          the side's FLOP/s / the median over rounds of the sustained matmul rate
+  mfu_vs_best  the side's FLOP/s / the best single matmul of all rounds (the conservative one)
 
     python benchmarks/bench_lora.py            # the 31M shape (hidden 512, 8 layers, vocab 8192)
-    python benchmarks/bench_lora.py --json --steps 3 --hidden 256 --layers 4 --vocab 4096   # quicker
+    python benchmarks/bench_lora.py --json --steps 3 --runs 2 --hidden 256 --layers 4 --vocab 4096   # quicker
     GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python benchmarks/bench_lora.py   # as `make bench` runs it
 """
 from __future__ import annotations
@@ -26,6 +31,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -33,15 +39,25 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_lora_shape_args  # noqa: E402
+from common import add_lora_shape_args, summarize  # noqa: E402
+
+SIDES = ("amdllm", "peft")
+# a framework each side's process must never load: sharing a process is what this layout avoids
+FORBIDDEN = {"amdllm": "torch", "peft": "jax"}
 
 
-def hf_config(a):
+def shape_dict(a) -> dict:
+    """The model config as a plain (Hugging Face style) dict: the amdllm child reads it without transformers,
+    whose LlamaConfig imports torch."""
+    return dict(model_type="llama", vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.mlp,
+                num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
+                max_position_embeddings=max(2048, a.seq), tie_word_embeddings=False, bos_token_id=1,
+                eos_token_id=2)
+
+
+def hf_config(a):  # also used by bench_qlora.py
     from transformers import LlamaConfig
-    return LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.mlp,
-                       num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
-                       max_position_embeddings=max(2048, a.seq), tie_word_embeddings=False,
-                       attn_implementation="sdpa")
+    return LlamaConfig(**{k: v for k, v in shape_dict(a).items() if k != "model_type"}, attn_implementation="sdpa")
 
 
 def batches(a, n):
@@ -49,28 +65,35 @@ def batches(a, n):
     return [rng.integers(0, a.vocab, (a.batch, a.seq + 1)).astype(np.int32) for _ in range(n)]
 
 
-def bench_amdllm(a):
+def time_steps(one_step, data) -> tuple[list[float], float]:
+    """One untimed warm-up step (compile, allocator), then the rest back to back -> (seconds, final loss)."""
+    one_step(data[0])
+    times, loss = [], None
+    for w in data[1:]:
+        dt, loss = one_step(w)
+        times.append(dt)
+    return times, loss
+
+
+def amdllm_child(a) -> dict:
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from amdllm.model import lora
     from amdllm import train
     from amdllm.config import LlamaConfig
-    from amdllm.model import Llama
+    from amdllm.model import Llama, lora
 
-    cfg = LlamaConfig.from_dict(hf_config(a).to_dict())
+    cfg = LlamaConfig.from_dict(shape_dict(a))
     model = lora.apply_lora(Llama(cfg, rngs=nnx.Rngs(0)), rank=a.rank, alpha=2 * a.rank, targets=a.targets)
     lo, frozen = train.split_params(model)
-    tc = train.TrainConfig(steps=1000, lr=1e-4, warmup=0)
-    opt, _ = train.make_optimizer(tc)
-    opt_state = opt.init(lo)
+    opt, _ = train.make_optimizer(train.TrainConfig(steps=1000, lr=1e-4, warmup=0))
     step = train.make_train_step(model, opt)
     ones = np.ones((1, a.batch, a.seq), np.int32)
     pos = np.broadcast_to(np.arange(a.seq, dtype=np.int32), (1, a.batch, a.seq))
-    state = {"lo": lo, "opt": opt_state, "i": 0}
+    state = {"lo": lo, "opt": opt.init(lo), "i": 0}
 
-    def one_step(w):  # one timed LoRA step on window batch w [B, T+1]; returns (seconds, loss)
+    def one_step(w):  # one LoRA step on window batch w [B, T+1]; returns (seconds, loss)
         batch = {"tokens": jnp.asarray(w[None, :, :-1]), "targets": jnp.asarray(w[None, :, 1:]),
                  "weights": jnp.asarray(ones, jnp.float32), "segment_ids": jnp.asarray(ones),
                  "positions": jnp.asarray(pos)}
@@ -80,11 +103,16 @@ def bench_amdllm(a):
         state["i"] += 1
         return time.perf_counter() - t, loss
 
-    flops = train.flops_per_token(cfg, lora.lora_info(model), a.seq)
-    return one_step, flops, cfg
+    times, loss = time_steps(one_step, batches(a, a.steps + 1))
+    measure = not os.environ.get("AMDLLM_PEAK_FLOPS") and train.accelerator_name() == "cpu"
+    return {"step_seconds": times, "final_loss": loss, "params": cfg.num_params(),
+            "flops_per_token": train.flops_per_token(cfg, lora.lora_info(model), a.seq),
+            "device": jax.devices()[0].device_kind, "accelerator": train.accelerator_name(),
+            "matmul": dict(zip(("sustained", "best"), matmul_rates(a.peak_seconds))) if measure else None,
+            "peak_flops": None if measure else train.peak_flops()}
 
 
-def bench_peft(a):
+def peft_child(a) -> dict:
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaForCausalLM
@@ -109,7 +137,8 @@ def bench_peft(a):
         loss = float(out.loss)
         return time.perf_counter() - t, loss
 
-    return one_step
+    times, loss = time_steps(one_step, batches(a, a.steps + 1))
+    return {"step_seconds": times, "final_loss": loss, "torch_threads": torch.get_num_threads()}
 
 
 def matmul_rates(seconds: float, n: int = 1024) -> tuple[float, float]:
@@ -118,7 +147,7 @@ def matmul_rates(seconds: float, n: int = 1024) -> tuple[float, float]:
     import jax.numpy as jnp
     x = jnp.ones((n, n), jnp.float32)
     f = jax.jit(jnp.dot)
-    f(x, x).block_until_ready()  # compiled once; later rounds hit jit's cache
+    f(x, x).block_until_ready()  # compile outside the window
     calls, best, t0 = 0, float("inf"), time.perf_counter()
     while True:
         t = time.perf_counter()
@@ -129,90 +158,106 @@ def matmul_rates(seconds: float, n: int = 1024) -> tuple[float, float]:
             return 2 * n ** 3 * calls / (end - t0), 2 * n ** 3 / best
 
 
-def run_alternating(a, data):
-    """Rounds alternate the sides (amdllm, PEFT, amdllm, ...) so that a load change on a shared machine hits
-    both and the ratio per round stays meaningful. In each round a side runs two steps and only the second
-    is timed: the first step after the other framework ran pays for memory the OS took back meanwhile.
-    Measured on this VM: the same 485 huge-page faults per amdllm step cost 0.17 s of kernel time when it
-    runs steps back to back and 1.2-1.4 s right after a PEFT step (the host reclaims freed pages); training
-    never switches frameworks between steps. The untimed re-entry steps are reported too ("reentry_*").
-    The first round is warm-up (compile, allocator). Returns {side: (timed s, re-entry s, final loss)}, the
-    FLOPs/token, the config and the (sustained, best) matmul FLOP/s per timed round (see the module
-    doc; None when the peak is not measured: an accelerator, or $AMDLLM_PEAK_FLOPS)."""
-    from amdllm import train
-    j_step, flops, cfg = bench_amdllm(a)
-    sides = {"amdllm": j_step, "peft": bench_peft(a)}
-    per_round = not os.environ.get("AMDLLM_PEAK_FLOPS") and train.accelerator_name() == "cpu"
-    times, reentry, losses, peaks = {k: [] for k in sides}, {k: [] for k in sides}, {}, []
-    for w0, w1 in zip(data[0::2], data[1::2]):
-        for name, step in sides.items():
-            reentry[name].append(step(w0)[0])
-            dt, losses[name] = step(w1)
-            times[name].append(dt)
-            if name == "amdllm" and per_round:
-                peaks.append(matmul_rates(a.peak_seconds))
-    return ({k: (times[k][1:], reentry[k][1:], losses[k]) for k in sides}, flops, cfg,
-            peaks[1:] if per_round else None)
+def run_child(side: str, argv: list[str]) -> dict:
+    """One fresh process for `side` with the parent's flags; its last stdout line is the result."""
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--child", side],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr[-4000:])
+        raise SystemExit(f"bench_lora: the {side} process failed (exit {proc.returncode})")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_rounds(a, argv: list[str]) -> dict[str, list[dict]]:
+    """--runs rounds of amdllm then peft, so a load change on a shared machine hits both sides."""
+    runs = {side: [] for side in SIDES}
+    for i in range(a.runs):
+        for side in SIDES:
+            r = run_child(side, argv)
+            runs[side].append(r)
+            print(f"round {i + 1}/{a.runs} {side}: median step {statistics.median(r['step_seconds']):.3f} s",
+                  file=sys.stderr, flush=True)
+    return runs
+
+
+def mfu(tokens_per_second: float, flops: float, peak: float | None) -> float | None:
+    return tokens_per_second * flops / peak if peak else None
+
+
+def summarize_side(runs: list[dict], tokens: int, flops: float, sustained: float, best: float) -> dict:
+    per_run = [statistics.median(r["step_seconds"]) for r in runs]
+    s = summarize(per_run)
+    tps = tokens / s["median"]
+    return {"step_seconds": s["median"], "tokens_per_second": tps, "spread_pct": s["spread_pct"],
+            "mfu": mfu(tps, flops, sustained), "mfu_vs_best": mfu(tps, flops, best),
+            "step_seconds_per_run": per_run, "step_seconds_all": [r["step_seconds"] for r in runs],
+            "final_loss": runs[-1]["final_loss"]}
+
+
+def report(a, runs: dict[str, list[dict]]) -> dict:
+    first = runs["amdllm"][0]
+    flops, tokens = first["flops_per_token"], a.batch * a.seq
+    rates = [r["matmul"] for r in runs["amdllm"] if r["matmul"]]
+    if rates:  # the amdllm processes' peaks serve both sides
+        sustained = statistics.median(m["sustained"] for m in rates)
+        best = max(m["best"] for m in rates)
+    else:
+        sustained = best = first["peak_flops"]
+    res = {
+        "shape": {"params": first["params"], "hidden": a.hidden, "layers": a.layers, "heads": a.heads,
+                  "kv_heads": a.kv_heads, "mlp": a.mlp, "vocab": a.vocab},
+        "batch": a.batch, "seq_len": a.seq, "rank": a.rank, "targets": a.targets, "steps_timed": a.steps,
+        "runs": a.runs, "device": first["device"], "accelerator": first["accelerator"], "cpu_count": os.cpu_count(),
+        "flops_per_token": flops, "flops_formula": "4N + 12*L*S*q + 6*L*r*sum(in+out) (no frozen weight grads)",
+        "peak_flops": best, "sustained_peak_flops": sustained, "matmul_flops_per_round": rates,
+        "peak_method": (f"1024^3 float32 jnp.dot for {a.peak_seconds} s after the timed steps of each amdllm "
+                        "process: mfu against the median sustained rate, mfu_vs_best against the best call"
+                        if rates else "table or $AMDLLM_PEAK_FLOPS"),
+        "method": "each side in its own process, alternating amdllm, peft; per side the median over runs of "
+                  "each run's median step",
+    }
+    for side in SIDES:
+        res[side] = summarize_side(runs[side], tokens, flops, sustained, best)
+    res["torch_threads"] = runs["peft"][0]["torch_threads"]
+    res["speedup"] = res["amdllm"]["tokens_per_second"] / res["peft"]["tokens_per_second"]
+    res["speedup_per_round"] = [t / j for j, t in zip(res["amdllm"]["step_seconds_per_run"],
+                                                      res["peft"]["step_seconds_per_run"])]  # peft / amdllm
+    res["glibc_tunables"] = os.environ.get("GLIBC_TUNABLES", "")  # `make bench` sets glibc.malloc.hugetlb=1
+    res["load_average"] = os.getloadavg()
+    return res
+
+
+def print_summary(res: dict) -> None:
+    def side(name):
+        r = res[name]
+        pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"  # noqa: E731
+        return (f"{r['tokens_per_second']:,.0f} tok/s (MFU {pct(r['mfu'])}, {pct(r['mfu_vs_best'])} of the best "
+                f"matmul; spread {r['spread_pct']:.1f}%)")
+    print(f"amdllm {side('amdllm')} vs transformers+peft {side('peft')}: {res['speedup']:.2f}x "
+          f"(per round: {', '.join(f'{x:.2f}' for x in res['speedup_per_round'])})")
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_lora_shape_args(p)
-    p.add_argument("--steps", type=int, default=5, help="rounds timed (after 1 warm-up round); a round is 2 steps per side")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per process (after 1 warm-up step)")
+    p.add_argument("--runs", type=int, default=3, help="processes per side, alternating amdllm, peft, ...")
     p.add_argument("--peak-seconds", type=float, default=1.5,
-                   help="CPU: seconds of matmul per round for the MFU denominator (module doc)")
+                   help="CPU: seconds of matmul per amdllm process for the MFU denominator (module doc)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
 
-    import jax
-
-    from amdllm import train
-    data = batches(a, 2 * (a.steps + 1))
-    sides, flops, cfg, peaks = run_alternating(a, data)
-    (j_times, j_re, j_loss), (t_times, t_re, t_loss) = sides["amdllm"], sides["peft"]
-    tokens = a.batch * a.seq
-    j_step, t_step = statistics.median(j_times), statistics.median(t_times)
-    if peaks:  # MFU per round against the rate measured in that round, then the median
-        sustained = [p for p, _ in peaks]
-        peak = max(b for _, b in peaks)  # the best matmul of the run: the conservative denominator
-        j_mfu = statistics.median(tokens / t * flops / p for t, p in zip(j_times, sustained))
-        t_mfu = statistics.median(tokens / t * flops / p for t, p in zip(t_times, sustained))
-    else:
-        peak = train.peak_flops()
-        j_mfu, t_mfu = tokens / j_step * flops / peak, tokens / t_step * flops / peak
-    res = {
-        "shape": {"params": cfg.num_params(), "hidden": a.hidden, "layers": a.layers, "heads": a.heads,
-                  "kv_heads": a.kv_heads, "mlp": a.mlp, "vocab": a.vocab},
-        "batch": a.batch, "seq_len": a.seq, "rank": a.rank, "targets": a.targets, "steps_timed": a.steps,
-        "device": jax.devices()[0].device_kind, "accelerator": train.accelerator_name(),
-        "cpu_count": os.cpu_count(),
-        "flops_per_token": flops, "flops_formula": "4N + 12*L*S*q + 6*L*r*sum(in+out) (no frozen weight grads)",
-        "peak_flops": peak, "matmul_flops_per_round": [{"sustained": p, "best": b} for p, b in peaks or []],
-        "peak_method": (f"1024^3 float32 jnp.dot for {a.peak_seconds} s after each amdllm step: mfu against that "
-                        "round's sustained rate (median over rounds), mfu_vs_best against the run's best call"
-                        if peaks else "table or $AMDLLM_PEAK_FLOPS"),
-        "amdllm": {"step_seconds": j_step, "tokens_per_second": tokens / j_step,
-                   "mfu": j_mfu, "mfu_vs_best": tokens / j_step * flops / peak, "step_seconds_all": j_times,
-                   "reentry_step_seconds": statistics.median(j_re), "final_loss": j_loss},
-        "peft": {"step_seconds": t_step, "tokens_per_second": tokens / t_step,
-                 "mfu": t_mfu, "mfu_vs_best": tokens / t_step * flops / peak, "step_seconds_all": t_times,
-                 "reentry_step_seconds": statistics.median(t_re), "final_loss": t_loss},
-        "torch_threads": __import__("torch").get_num_threads(),
-    }
-    res["speedup"] = res["amdllm"]["tokens_per_second"] / res["peft"]["tokens_per_second"]
-    res["speedup_per_round"] = [t / j for j, t in zip(j_times, t_times)]  # same-round PEFT/amdllm
-    res["speedup_reentry_steps"] = res["peft"]["reentry_step_seconds"] / res["amdllm"]["reentry_step_seconds"]
-    res["glibc_tunables"] = os.environ.get("GLIBC_TUNABLES", "")  # `make bench` sets glibc.malloc.hugetlb=1
-    res["load_average"] = os.getloadavg()
-    if a.json:
+    if a.child:
+        res = (amdllm_child if a.child == "amdllm" else peft_child)(a)
+        assert FORBIDDEN[a.child] not in sys.modules, f"the {a.child} process imported {FORBIDDEN[a.child]}"
         print(json.dumps(res))
-    else:
-        print(json.dumps(res, indent=2))
-        mfu = lambda side: (f"MFU {100 * res[side]['mfu']:.1f}%, "  # noqa: E731
-                            f"{100 * res[side]['mfu_vs_best']:.1f}% of the best matmul")
-        print(f"amdllm {res['amdllm']['tokens_per_second']:,.0f} tok/s ({mfu('amdllm')}) vs transformers+peft "
-              f"{res['peft']['tokens_per_second']:,.0f} tok/s ({mfu('peft')}): {res['speedup']:.2f}x (per round: "
-              f"median {statistics.median(res['speedup_per_round']):.2f}x)")
+        return 0
+    res = report(a, run_rounds(a, argv))
+    print(json.dumps(res) if a.json else json.dumps(res, indent=2))
+    if not a.json:
+        print_summary(res)
     return 0
 
 
