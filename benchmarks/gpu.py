@@ -7,10 +7,17 @@
    XLA's memory analysis before running), tokens/s and MFU. FLOPs per token by amdllm.parallel.plan's LoRA count
    (4N + attention + LoRA terms: no weight gradients for frozen weights); MFU against the datasheet dense
    bf16 peak (amdllm.parallel.plan's table) and against the matmul rate measured in step 0.
-2. Decoding tokens/s (greedy, 128 new tokens after a 32-token prompt, batch 1 and 8) with bf16 weights and
+2. One projection's 4-bit matmul by each route of amdllm.model.qmatmul (the reference that dequantizes
+   the whole kernel, XLA's uint4 route, the Pallas kernel over a few tilings) against bf16 dense, at 1, 8
+   and 256 rows on the 8B gate/up and down shapes: seconds, error against the reference, and the fraction
+   of the copy bandwidth on the bytes each must read.
+3. Decoding tokens/s (greedy, 128 new tokens after a 32-token prompt, batch 1 and 8) with bf16 weights and
    with 4-bit packed weights (GPTQ v1 layout, group 128, random codes: the same `QuantLinear` kernels a
-   GPTQ checkpoint loads into, without spending the lease on quantizing 8B parameters), against the
-   memory-bandwidth bound: decode steps/s if every step read the weights and the KV cache once.
+   GPTQ checkpoint loads into, without spending the lease on quantizing 8B parameters), once per route
+   (`prepare_kernels`), against the memory-bandwidth bound: decode steps/s if every step read the weights
+   and the KV cache once.
+Phases run in the order ceilings, qmatmul, decode_bf16, decode_int4_pallas, decode_int4_xla4, decode_int4
+(the reference route), lora_step (1 above); `--phases` picks, `--budget-s` skips what is left.
 
 Results are written to OUT/gpu.json after every phase, so a run cut short still reports what it measured.
 
@@ -141,7 +148,7 @@ def random_int4(model, group_size=128, seed=0):
     return model
 
 
-def decode(cfg, quant: bool, batches, new_tokens, bandwidth, log):
+def decode(cfg, quant: bool, batches, new_tokens, bandwidth, log, route: str = "xla"):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -149,11 +156,13 @@ def decode(cfg, quant: bool, batches, new_tokens, bandwidth, log):
     from amdllm.infer.generate import Decoder, generate_ids
     from amdllm.quant.calibrate import model_bytes
     from amdllm.model import Llama
+    from amdllm.model.qmatmul import prepare_kernels
     from amdllm.train import accelerator_name
 
     model = Llama(cfg, rngs=nnx.Rngs(1), param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)
     if quant:
         random_int4(model)
+        prepare_kernels(model, route)           # the packed words as the route reads them (model.qmatmul)
     nbytes = model_bytes(model)
     sheet = HBM_BYTES_PER_S.get(accelerator_name())
     out = []
@@ -167,7 +176,7 @@ def decode(cfg, quant: bool, batches, new_tokens, bandwidth, log):
         steady = dec.tokens_per_second()                      # decode only (prefill excluded), tokens/s
         kv = 2 * cfg.num_hidden_layers * B * (32 + new_tokens) * cfg.kv_dim * 2
         step_bytes = nbytes + kv
-        r = {"weights": "int4-g128" if quant else "bf16", "batch": B, "new_tokens": new_tokens,
+        r = {"weights": f"int4-g128 ({route})" if quant else "bf16", "batch": B, "new_tokens": new_tokens,
              "tokens_per_s_incl_prefill": B * new_tokens / sec, "tokens_per_s_decode": steady,
              "steps_per_s_decode": steady / B if steady else None, "model_bytes": nbytes,
              "bound_steps_per_s_measured_bw": bandwidth / step_bytes,
@@ -181,13 +190,65 @@ def decode(cfg, quant: bool, batches, new_tokens, bandwidth, log):
     return out
 
 
+def qmatmul_routes(cfg, bandwidth, log, tiny: bool):
+    """One projection's matmul, 4-bit g128, by each route of amdllm.model.qmatmul: decode rows (1 and 8) and
+    a prefill block (256 rows), on the 8B shapes [4096 -> 14336] (gate/up) and [14336 -> 4096] (down); the
+    Pallas kernel over a few tilings (block_n, k_splits); bf16 dense alongside. Reports seconds and the
+    fraction of the copy bandwidth each achieves on the bytes it must read (weights + x)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from amdllm.model import qmatmul as Q
+    from amdllm.model.quantized import pack_cols, pack_rows
+    interpret = jax.default_backend() == "cpu"  # the --tiny smoke test: Pallas' interpreter
+    shapes = [(256, 512), (512, 256)] if tiny else [(cfg.hidden_size, cfg.intermediate_size),
+                                                    (cfg.intermediate_size, cfg.hidden_size)]
+    rng = np.random.default_rng(0)
+    out = []
+    for K, N in shapes:
+        G = K // 128
+        q = {"qweight": jnp.asarray(pack_rows(rng.integers(0, 16, (K, N)), 4)),
+             "qzeros": jnp.asarray(pack_cols(rng.integers(0, 16, (G, N)), 4)),
+             "scales": jnp.asarray(rng.random((G, N)) * 0.01, jnp.float16),
+             "g_idx": jnp.asarray(np.arange(K) // 128, jnp.int32)}
+        q4 = Q.to_int4(q)
+        dense = jax.random.normal(jax.random.key(0), (K, N), jnp.bfloat16)
+        qbytes = K * N // 2 + G * N * 2 + G * N // 2
+        for M in (1, 8, 256):
+            x = jax.random.normal(jax.random.key(M), (M, K), jnp.bfloat16)
+            ref = np.asarray(Q.reference_matmul(x, q), np.float32)
+            runs = {"bf16_dense": (jax.jit(lambda x, w: x @ w), (x, dense), 2 * K * N),
+                    "xla_dequant": (jax.jit(lambda x, q: Q.packed_matmul(x, q, x.dtype)), (x, q), qbytes),
+                    "xla_int4": (jax.jit(Q.int4_matmul), (x, q4), qbytes)}
+            tilings = [(None, None)] + ([(64, 1), (64, 4), (128, 2), (32, 8)] if M <= 16 else [(128, 1), (64, 1)])
+            for bn, ks in tilings:
+                f = jax.jit(lambda x, a, b, c, bn=bn, ks=ks: Q.pallas_matmul(
+                    x, a, b, c, bits=4, group_size=128, block_n=bn, k_splits=ks, interpret=interpret))
+                runs[f"pallas_bn{bn or 'auto'}_ks{ks or 'auto'}"] = (f, (x, q["qweight"], q["qzeros"], q["scales"]),
+                                                                      qbytes)
+            for name, (f, args, nbytes) in runs.items():
+                try:
+                    got = np.asarray(f(*args), np.float32)
+                    err = None if name == "bf16_dense" else \
+                        float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-6))
+                    sec = timed(lambda: f(*args), 20)
+                    r = {"K": K, "N": N, "M": M, "route": name, "seconds": sec, "rel_err_vs_reference": err,
+                         "fraction_of_copy_bw": (nbytes + M * K * 2) / sec / bandwidth}
+                except Exception as e:  # a tiling Triton refuses: record it, go on
+                    r = {"K": K, "N": N, "M": M, "route": name, "error": f"{type(e).__name__}: {e}"[:300]}
+                log(json.dumps(r))
+                out.append(r)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test on a tiny shape")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip later phases past this many seconds")
     ap.add_argument("--lora-batches", default=None, help="comma-separated batch sizes to try, largest first")
-    ap.add_argument("--phases", default="ceilings,lora_step,decode_bf16,decode_int4")
+    ap.add_argument("--phases", default="ceilings,qmatmul,decode_bf16,decode_int4_pallas,decode_int4_xla4,"
+                                        "decode_int4,lora_step")
     args = ap.parse_args()
     from amdllm.config import LlamaConfig, get_preset
     if args.tiny:
@@ -214,16 +275,22 @@ def main():
             (Path(args.out) / "gpu.json").write_text(json.dumps(result, indent=2) + "\n")
 
     import jax
-    phases = [("ceilings", lambda: ceilings(args.tiny, log)),
-              ("lora_step", lambda: lora_step(cfg, seq, batches, steps, result["ceilings"]["matmul_flops"], log)),
-              ("decode_bf16", lambda: decode(cfg, False, dec_b, new, result["ceilings"]["copy_bytes_per_s"], log)),
-              ("decode_int4", lambda: decode(cfg, True, dec_b, new, result["ceilings"]["copy_bytes_per_s"], log))]
+    bw = lambda: result["ceilings"]["copy_bytes_per_s"]  # noqa: E731
+    phases = {"ceilings": lambda: ceilings(args.tiny, log),
+              "qmatmul": lambda: qmatmul_routes(cfg, bw(), log, args.tiny),
+              "lora_step": lambda: lora_step(cfg, seq, batches, steps, result["ceilings"]["matmul_flops"], log),
+              "decode_bf16": lambda: decode(cfg, False, dec_b, new, bw(), log),
+              "decode_int4": lambda: decode(cfg, True, dec_b, new, bw(), log, "xla"),
+              "decode_int4_pallas": lambda: decode(cfg, True, dec_b, new, bw(), log, "pallas"),
+              "decode_int4_xla4": lambda: decode(cfg, True, dec_b, new, bw(), log, "int4")}
     import os
     result["xla_flags"] = os.environ.get("XLA_FLAGS", "")
-    wanted = args.phases.split(",")
-    for name, fn in phases:
-        if name not in wanted and name != "ceilings":
-            continue
+    wanted = ["ceilings"] + [p for p in args.phases.split(",") if p != "ceilings"]
+    unknown = [p for p in wanted if p not in phases]
+    if unknown:
+        ap.error(f"--phases: unknown {','.join(unknown)}; choose from {','.join(phases)}")
+    for name in wanted:
+        fn = phases[name]
         if time.perf_counter() - t0 > args.budget_s:
             result[name] = {"skipped": f"time budget of {args.budget_s:.0f} s spent"}
             log(f"{name}: skipped (budget)")

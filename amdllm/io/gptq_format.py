@@ -31,6 +31,7 @@ from amdllm.io.names import HF_PARENT, hf_proj
 from amdllm.io.safetensors import CheckpointError, SafetensorsFile, aligned_empty, load_tensors
 from amdllm.io.tokenizer import copy_tokenizer
 from amdllm.model.llama import Llama, param_table
+from amdllm.model.qmatmul import restore_gptq
 from amdllm.model.quantized import (FORMAT_BITS, QUANT_KEYS, QuantFormatError, QuantLinear,  # noqa: F401
                                     check_bits, group_count, infer_bits, pack_cols, packed_logical_axes,
                                     unpack_cols)
@@ -141,11 +142,12 @@ def save_quantized(model, path, quant_config: dict, *, tokenizer_from=None) -> P
             if not isinstance(v, dict):
                 t[hf_proj(i, proj) + ".weight"] = v[i].T
                 continue
-            qz = np.asarray(v["qzeros"][i])
-            t[hf_proj(i, proj) + ".qweight"] = np.asarray(v["qweight"][i], np.int32)
+            q = restore_gptq({k: a[i] for k, a in v.items()})  # as loaded, if prepared for a fused kernel
+            qz = np.asarray(q["qzeros"])
+            t[hf_proj(i, proj) + ".qweight"] = np.asarray(q["qweight"], np.int32)
             t[hf_proj(i, proj) + ".qzeros"] = _zeros_v1_to_v2(qz, bits, inverse=True) if fmt == "gptq" else qz
-            t[hf_proj(i, proj) + ".scales"] = np.asarray(v["scales"][i], np.float16)
-            t[hf_proj(i, proj) + ".g_idx"] = np.asarray(v["g_idx"][i], np.int32)
+            t[hf_proj(i, proj) + ".scales"] = np.asarray(q["scales"], np.float16)
+            t[hf_proj(i, proj) + ".g_idx"] = np.asarray(q["g_idx"], np.int32)
     # unquantized tensors: float16, as GPTQ checkpoints store them, except a bfloat16 model's, which keep
     # their dtype (as GPTQModel keeps the source's): bf16 values beyond float16's range would become inf
     store = np.dtype(ml_dtypes.bfloat16) if np.asarray(t["model.embed_tokens.weight"]).dtype == ml_dtypes.bfloat16 \

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from amdllm.config import LlamaConfig
-from amdllm.model.quantized import quantized_matmul
+from amdllm.model.qmatmul import packed_matmul
 
 
 def rms_norm(x, weight, eps):
@@ -65,7 +65,7 @@ def linear(x, w, lora_a=None, lora_b=None, lora_scale=0.0, dropout=0.0, rng=None
     if hasattr(w, "matmul"):  # narrow weights as bits on a CPU (`model.narrow.Bits`)
         y = w.matmul(x2)
     else:
-        y = quantized_matmul(x2, w, x.dtype) if isinstance(w, dict) else x2 @ w.astype(x.dtype)
+        y = packed_matmul(x2, w, x.dtype) if isinstance(w, dict) else x2 @ w.astype(x.dtype)
     if lora_a is not None:
         y = y + lora_delta(x2, lora_a, lora_b, lora_scale, dropout, rng).astype(y.dtype)
     return y.reshape(*lead, y.shape[-1])

@@ -1,0 +1,321 @@
+"""Dequantizing matmuls that never build the dense kernel: a Pallas kernel and XLA's int4 route.
+
+`quantized.quantized_matmul` (the reference, and what runs on CPUs and TPUs) unpacks the GPTQ words into
+a whole dense kernel [K, N] in HBM every call, then multiplies. At batch 1 that triples the bytes a decode
+step moves: int4 decoding ran at 0.71x bf16 on an H200 (BENCHMARKS.md). The two routes here dequantize
+where the data already is:
+
+  pallas_matmul  A Pallas kernel lowered through Triton, so one source serves NVIDIA and ROCm (JAX routes
+                 Pallas to Triton on ROCm). Each program owns a [block_m, block_n] tile of the output and a
+                 slice of K; per group of rows it reads the packed int32 words, one row of scales and one
+                 of packed zeros, unpacks and scales them in registers, and accumulates in float32.
+                 Two inner products: `pl.dot` for prefill-sized row blocks (GEMM), and a broadcast
+                 multiply-and-sum for decode (GEMV-shaped, M <= 16 rows, where a tensor-core tile would be
+                 mostly padding). K can be split over programs (`k_splits`): at batch 1 a 4096-wide output
+                 is only 32-64 tiles, too few to keep 132 SMs reading.
+  int4_matmul    Codes stored as `jnp.uint4` [K, N] (half a byte each, as in the packed words); the
+                 convert, the zero and the scale are elementwise ops XLA may fuse into the dot's operand.
+
+Both need the groups in order, g_idx[k] == k // group_size. An act-order checkpoint is made so once, when
+it is prepared (`sort_act_order`): its rows are permuted into group order and x is permuted the same way
+at run time (the product is unchanged: x @ W == x[:, perm] @ W[perm]).
+
+Which route is faster depends on the GPU; `benchmarks/gpu.py` times all three. On a CPU the kernels run
+only in Pallas' interpreter (tests/test_qmatmul.py checks them against the reference).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from amdllm.model.quantized import (QUANT_KEYS, QuantFormatError, QuantLinear, QuantTensor, check_bits,
+                                    dequantize, group_count, infer_bits, pack_cols, pack_rows, quantized_matmul,
+                                    unpack_cols, unpack_rows)
+
+GEMV_MAX_ROWS = 16  # up to this many rows of x: the multiply-and-sum inner product (decode)
+
+
+# --------------------------------------------------------------------------------------------------
+# Preparing a layer: groups in order (act-order permuted once), the group size read off the shapes
+# --------------------------------------------------------------------------------------------------
+def group_size_of(q: dict) -> int:
+    """The group size of one layer's {qweight, scales, g_idx}: K rows over scales' rows (one group: K)."""
+    K, n_g = q["g_idx"].shape[-1], q["scales"].shape[-2]
+    return K if n_g == 1 else -(-K // n_g)
+
+
+def sort_act_order(q: dict) -> tuple[dict, np.ndarray | None]:
+    """One layer's GPTQ tensors (numpy, v2 zeros) -> (the same with rows in group order, perm or None).
+
+    perm is None when g_idx is already k // group_size. Otherwise W's rows are permuted (unpacked,
+    reordered, packed again) so that row i belongs to group i // group_size, and the caller multiplies
+    x[:, perm] instead of x. Raises QuantFormatError if the groups cannot be put in order (a group with
+    more rows than the group size)."""
+    g = np.asarray(q["g_idx"]).astype(np.int64)
+    K = g.shape[0]
+    bits = infer_bits(np.asarray(q["qweight"]).shape[0], K)
+    gs = group_size_of(q)
+    in_order = np.arange(K) // gs
+    if np.array_equal(g, in_order):
+        return dict(q), None
+    perm = np.argsort(g, kind="stable")
+    if not np.array_equal(g[perm], in_order):
+        raise QuantFormatError(f"g_idx does not split {K} rows into groups of {gs}: cannot put it in group order")
+    codes = unpack_rows(np.asarray(q["qweight"]), bits)[perm]
+    return {**q, "qweight": pack_rows(codes, bits), "g_idx": in_order.astype(np.int32)}, perm.astype(np.int32)
+
+
+# --------------------------------------------------------------------------------------------------
+# The Pallas kernel
+# --------------------------------------------------------------------------------------------------
+def _unpack_tile(words, bits: int, axis: int):
+    """int32 words -> codes, p = 32/bits codes per word, lowest bits first, laid out along `axis`:
+    axis 0: [R, C] -> [R*p, C] (qweight);  axis 1: [R, C] -> [R, C*p] (qzeros)."""
+    p = 32 // bits
+    shifts = jnp.arange(p, dtype=jnp.int32) * bits
+    if axis == 0:
+        c = (words[:, None, :] >> shifts[None, :, None]) & (2 ** bits - 1)     # [R, p, C]
+        return c.reshape(words.shape[0] * p, words.shape[1])
+    c = (words[:, :, None] >> shifts[None, None, :]) & (2 ** bits - 1)         # [R, C, p]
+    return c.reshape(words.shape[0], words.shape[1] * p)
+
+
+def _kernel(x_ref, qw_ref, qz_ref, s_ref, o_ref, *, bits, group_size, words_per_step, steps, gemv):
+    # refs: x [bm, Kp*p] (this split's K rows), qweight [Kp, bn] words, qzeros [G, bn/p], scales [G, bn];
+    # the output tile [bm, bn] is this split's partial sum, in float32.
+    p = 32 // bits
+    rows = words_per_step * p                       # K rows per step, all in one group
+    bm, bn = o_ref.shape[-2], o_ref.shape[-1]
+
+    def step(i, acc):
+        g = i * rows // group_size                  # this step's group, within the split
+        w = qw_ref[pl.ds(i * words_per_step, words_per_step), :]                    # [wps, bn] int32
+        codes = _unpack_tile(w, bits, 0).astype(jnp.float32)                        # [rows, bn]
+        zero = _unpack_tile(qz_ref[pl.ds(g, 1), :], bits, 1).astype(jnp.float32)    # [1, bn]
+        scale = s_ref[pl.ds(g, 1), :].astype(jnp.float32)                           # [1, bn]
+        kernel = (codes - zero) * scale                                             # [rows, bn]
+        x = x_ref[:, pl.ds(i * rows, rows)].astype(jnp.float32)                     # [bm, rows]
+        if gemv:
+            return acc + jnp.sum(x[:, :, None] * kernel[None, :, :], axis=1)        # [bm, bn]
+        return acc + pl.dot(x.astype(x_ref.dtype), kernel.astype(x_ref.dtype))     # tensor cores, f32 out
+
+    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((bm, bn), jnp.float32))
+    o_ref[...] = acc.reshape(o_ref.shape)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def plan_blocks(M: int, K: int, N: int, bits: int, group_size: int, *, block_n: int | None = None,
+                k_splits: int | None = None, block_m: int | None = None) -> dict:
+    """Static tiling for pallas_matmul -> {block_m, block_n, k_splits, words_per_step, gemv, rows_m};
+    raises ValueError when the shape does not tile (the caller keeps the reference path)."""
+    p = check_bits(bits)
+    if group_size % p or K % group_size:
+        raise ValueError(f"group size {group_size} must divide K={K} and be a multiple of {p} ({bits}-bit words)")
+    gemv = M <= GEMV_MAX_ROWS
+    bm = block_m or (_next_pow2(M) if gemv else 64)
+    bn = block_n or min(64 if gemv else 128, N & -N)  # the largest power of two dividing N, up to the default
+    if N % bn or bn & (bn - 1) or bn % p:
+        raise ValueError(f"N={N} does not tile by block_n={bn} (a power of two and a multiple of {p})")
+    # one group per step when groups are small; per-channel (one group) steps through 128 rows at a time
+    rows = group_size if group_size <= 128 else 128
+    if group_size % rows:
+        raise ValueError(f"group size {group_size} is not a multiple of 128 rows")
+    n_groups = K // group_size
+    ks = k_splits or (max(1, min(n_groups, 256 // max(1, N // bn))) if gemv else 1)
+    while n_groups % ks:  # a split holds whole groups
+        ks -= 1
+    return {"block_m": bm, "block_n": bn, "k_splits": ks, "words_per_step": rows // p, "gemv": gemv,
+            "rows_m": -(-M // bm) * bm}
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_n", "k_splits", "block_m", "interpret"))
+def pallas_matmul(x, qweight, qzeros, scales, *, bits: int, group_size: int, block_n: int | None = None,
+                  k_splits: int | None = None, block_m: int | None = None, interpret: bool = False):
+    """x [M, K] @ dequant(qweight [K/p, N], qzeros (v2) [G, N/p], scales [G, N]) -> [M, N] in x's dtype,
+    groups in order (g_idx == k // group_size; see sort_act_order). interpret=True runs Pallas'
+    interpreter (any backend); otherwise the kernel is lowered through Triton (NVIDIA and AMD GPUs)."""
+    M, K = x.shape
+    N = qweight.shape[1]
+    t = plan_blocks(M, K, N, bits, group_size, block_n=block_n, k_splits=k_splits, block_m=block_m)
+    bm, bn, ks, p = t["block_m"], t["block_n"], t["k_splits"], 32 // bits
+    xp = jnp.pad(x, ((0, t["rows_m"] - M), (0, 0)))                        # [Mp, K]
+    Kw, G = K // p // ks, K // group_size // ks                               # words and groups per split
+    steps = Kw // t["words_per_step"]
+    kernel = functools.partial(_kernel, bits=bits, group_size=group_size, words_per_step=t["words_per_step"], steps=steps,
+                               gemv=t["gemv"])
+    partial = pl.pallas_call(
+        kernel,
+        grid=(t["rows_m"] // bm, N // bn, ks),
+        in_specs=[pl.BlockSpec((bm, Kw * p), lambda i, j, s: (i, s)),
+                  pl.BlockSpec((Kw, bn), lambda i, j, s: (s, j)),
+                  pl.BlockSpec((G, bn // p), lambda i, j, s: (s, j)),
+                  pl.BlockSpec((G, bn), lambda i, j, s: (s, j))],
+        out_specs=pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j)),
+        out_shape=jax.ShapeDtypeStruct((ks, t["rows_m"], N), jnp.float32),
+        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="gptq_matmul",
+    )(xp, qweight, qzeros, scales)
+    return partial.sum(axis=0)[:M].astype(x.dtype)                            # [M, N]
+
+
+# --------------------------------------------------------------------------------------------------
+# XLA's int4 route
+# --------------------------------------------------------------------------------------------------
+def to_int4(q: dict) -> dict:
+    """One layer's GPTQ tensors (4-bit, groups in order) -> {codes uint4 [K, N], zeros uint4 [G, N], scales}."""
+    K = q["g_idx"].shape[-1]
+    if infer_bits(q["qweight"].shape[0], K) != 4:
+        raise QuantFormatError("the int4 route needs 4-bit weights")
+    codes = unpack_rows(q["qweight"], 4).astype(jnp.uint4)
+    return {"codes": codes, "zeros": unpack_cols(q["qzeros"], 4).astype(jnp.uint4), "scales": q["scales"]}
+
+
+def int4_matmul(x, q4: dict):
+    """x [M, K] @ ((codes - zeros[g]) * scales[g]) with g = k // group_size, in x's dtype."""
+    codes, zeros, scales = q4["codes"], q4["zeros"], q4["scales"]
+    K, N = codes.shape
+    G = scales.shape[0]
+    w = codes.astype(x.dtype).reshape(G, K // G, N)                           # [G, gs, N]
+    w = (w - zeros.astype(x.dtype)[:, None, :]) * scales.astype(x.dtype)[:, None, :]
+    return jnp.dot(x, w.reshape(K, N), preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def reference_matmul(x, q: dict):
+    """The reference the routes are tested against: quantized.dequantize, then a float32 dot."""
+    return jnp.dot(x.astype(jnp.float32), dequantize(q, jnp.float32)).astype(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# In the model: a projection's dict says which route it was prepared for
+# --------------------------------------------------------------------------------------------------
+ROUTES = ("xla", "pallas", "int4")
+
+
+def packed_matmul(x2d, q: dict, dtype=jnp.float32):
+    """x2d [M, K] @ the packed kernel, by the route `q` was prepared for (`prepare_kernels`): a "perm" key
+    means the Pallas kernel (groups in order; perm [K] for act-order, [0] otherwise), "codes" the int4
+    route, neither the reference `quantized_matmul`. Differentiable in x2d (QLoRA): the backward
+    dequantizes again, as the reference does, so no dense kernel is kept between the passes."""
+    x2d = x2d.astype(dtype)
+    if "perm" in q:
+        if q["perm"].shape[-1]:
+            x2d = x2d[:, q["perm"]]                                        # act-order: x in group order
+        core = {k: q[k] for k in QUANT_KEYS}
+        try:
+            plan_blocks(*x2d.shape, core["qweight"].shape[1], infer_bits(core["qweight"].shape[0], x2d.shape[1]),
+                        group_size_of(core))
+        except ValueError:  # a shape the kernel does not tile (static): the reference, on the sorted rows
+            return quantized_matmul(x2d, core, dtype)
+        return _pallas_vjp(x2d, core)
+    if "codes" in q:
+        return _int4_vjp(x2d, q)
+    return quantized_matmul(x2d, q, dtype)
+
+
+@jax.custom_vjp
+def _pallas_vjp(x2d, q):
+    bits = infer_bits(q["qweight"].shape[0], q["g_idx"].shape[-1])
+    return pallas_matmul(x2d, q["qweight"], q["qzeros"], q["scales"], bits=bits, group_size=group_size_of(q),
+                         interpret=jax.default_backend() not in ("gpu", "cuda", "rocm"))
+
+
+def _pallas_fwd(x2d, q):
+    return _pallas_vjp(x2d, q), (q, jnp.zeros((0,), x2d.dtype))
+
+
+def _pallas_bwd(res, dy):
+    q, like = res
+    return jnp.dot(dy.astype(like.dtype), dequantize(q, like.dtype).T), jax.tree.map(lambda a: None, q)
+
+
+_pallas_vjp.defvjp(_pallas_fwd, _pallas_bwd)
+
+
+@jax.custom_vjp
+def _int4_vjp(x2d, q4):
+    return int4_matmul(x2d, q4)
+
+
+def _int4_fwd(x2d, q4):
+    return int4_matmul(x2d, q4), (q4, jnp.zeros((0,), x2d.dtype))
+
+
+def _int4_bwd(res, dy):
+    q4, like = res
+    K, N = q4["codes"].shape
+    G = q4["scales"].shape[0]
+    w = q4["codes"].astype(like.dtype).reshape(G, K // G, N)
+    w = ((w - q4["zeros"].astype(like.dtype)[:, None]) * q4["scales"].astype(like.dtype)[:, None]).reshape(K, N)
+    return jnp.dot(dy.astype(like.dtype), w.T), jax.tree.map(lambda a: None, q4)
+
+
+_int4_vjp.defvjp(_int4_fwd, _int4_bwd)
+
+
+def prepare_kernels(model, route: str):
+    """Convert a loaded GPTQ model's projections, in place, for `route` (one of ROUTES) -> the model.
+
+    "pallas": each layer's rows are put in group order (`sort_act_order`), and a `perm` tensor is added
+    ([L, K] for act-order, [L, 0] otherwise). "int4": the packed words become uint4 codes [L, K, N] and the
+    zeros a dense [L, G, N] (4-bit, groups in order). "xla": unchanged. `save_quantized` writes a prepared
+    model as the checkpoint it came from (`restore_gptq`). One device only: the kernels are not sharded."""
+    if route not in ROUTES:
+        raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
+    if route == "xla":
+        return model
+    for proj, lin in sorted(vars(model.layers).items()):
+        if not isinstance(lin, QuantLinear) or hasattr(lin, "perm") or hasattr(lin, "codes"):
+            continue
+        if len(lin.qweight[...].devices()) > 1:
+            raise ValueError(f"prepare_kernels({route!r}): layers/{proj} is sharded over several devices; "
+                             "the fused kernels run on one device")
+        stacked = {k: np.asarray(getattr(lin, k)[...]) for k in QUANT_KEYS}
+        per = [sort_act_order({k: v[i] for k, v in stacked.items()}) for i in range(stacked["g_idx"].shape[0])]
+        if route == "pallas":
+            for k in ("qweight", "g_idx"):
+                getattr(lin, k)[...] = jnp.asarray(np.stack([d[k] for d, _ in per]))
+            K = stacked["g_idx"].shape[-1]
+            perms = [np.arange(K, dtype=np.int32) if p is None else p for _, p in per]
+            acts = any(p is not None for _, p in per)
+            lin.perm = QuantTensor(jnp.asarray(np.stack(perms) if acts else np.zeros((len(per), 0), np.int32)))
+        else:
+            if any(p is not None for _, p in per):
+                raise QuantFormatError(f"layers/{proj}: the int4 route needs groups in order (no act-order)")
+            q4 = [to_int4(d) for d, _ in per]
+            lin.codes = QuantTensor(jnp.stack([d["codes"] for d in q4]))
+            lin.zeros = QuantTensor(jnp.stack([d["zeros"] for d in q4]))
+            del lin.qweight, lin.qzeros
+    return model
+
+
+def restore_gptq(q: dict) -> dict:
+    """One layer's tensors as `prepare_kernels` left them (numpy) -> the GPTQ tensors they came from."""
+    if "perm" in q:
+        q = {k: np.asarray(q[k]) for k in QUANT_KEYS} | {"perm": np.asarray(q["perm"])}
+        perm = q.pop("perm")
+        if perm.shape[-1] == 0:
+            return q
+        K = perm.shape[0]
+        bits = infer_bits(q["qweight"].shape[0], K)
+        codes, g = np.empty((K, q["qweight"].shape[1]), np.int64), np.empty(K, np.int32)
+        codes[perm], g[perm] = unpack_rows(q["qweight"], bits), q["g_idx"]
+        return {**q, "qweight": pack_rows(codes, bits), "g_idx": g}
+    if "codes" in q:
+        codes, zeros = np.asarray(q["codes"]).astype(np.int64), np.asarray(q["zeros"]).astype(np.int64)
+        return {"qweight": pack_rows(codes, 4), "qzeros": pack_cols(zeros, 4),
+                "scales": np.asarray(q["scales"]), "g_idx": np.asarray(q["g_idx"])}
+    return q
+
+
+__all__ = ["GEMV_MAX_ROWS", "ROUTES", "group_count", "group_size_of", "int4_matmul", "packed_matmul",
+           "pallas_matmul", "plan_blocks", "prepare_kernels", "reference_matmul", "restore_gptq",
+           "sort_act_order", "to_int4"]
