@@ -17,7 +17,9 @@
    (`prepare_kernels`), against the memory-bandwidth bound: decode steps/s if every step read the weights
    and the KV cache once.
 Phases run in the order ceilings, qmatmul, decode_bf16, decode_int4_pallas, decode_int4_xla4, decode_int4
-(the reference route), lora_step (1 above); `--phases` picks, `--budget-s` skips what is left.
+(the reference route), lora_step (1 above: the backend's attention, cuDNN's on NVIDIA in bf16; its
+"attention" field says which), lora_step_blocked (the same with amdllm's blocked attention); `--phases`
+picks, `--budget-s` skips what is left.
 
 Results are written to OUT/gpu.json after every phase, so a run cut short still reports what it measured.
 
@@ -71,10 +73,19 @@ def ceilings(tiny: bool, log) -> dict:
     return r
 
 
-def lora_step(cfg, seq_len, batches, steps, measured_peak, log):
+def lora_step(cfg, seq_len, batches, steps, measured_peak, log, attention: str | None = None):
+    """attention: force one of amdllm.model.fast.ATTENTION (AMDLLM_ATTENTION); None: the backend's choice."""
+    import os
+
     import jax
     import jax.numpy as jnp
     from flax import nnx
+    from amdllm.model.fast import attention_implementation
+    if attention:
+        os.environ["AMDLLM_ATTENTION"] = attention
+    else:
+        os.environ.pop("AMDLLM_ATTENTION", None)
+    attention = attention_implementation(jnp.bfloat16)
     from amdllm.model import lora as lora_mod
     from amdllm.parallel import plan
     from amdllm import train
@@ -118,7 +129,7 @@ def lora_step(cfg, seq_len, batches, steps, measured_peak, log):
             tried.append({"batch": B, "error": str(e).splitlines()[0][:300]})
             continue
         tps = B * seq_len / sec
-        res = {"batch": B, "seq_len": seq_len, "remat": True, "step_s": sec, "tokens_per_s": tps,
+        res = {"batch": B, "seq_len": seq_len, "remat": True, "attention": attention, "step_s": sec, "tokens_per_s": tps,
                "compile_s": compile_s, "bytes_needed": need,
                "flops_per_token": fpt, "flop_formula": "4N + 12*L*S*d_attn + LoRA terms (no frozen weight grads)",
                "peak_flops_datasheet": peak, "mfu": tps * fpt / peak if peak else None,
@@ -163,7 +174,9 @@ def decode(cfg, quant: bool, batches, new_tokens, bandwidth, log, route: str = "
     if quant:
         random_int4(model)
         prepare_kernels(model, route)           # the packed words as the route reads them (model.qmatmul)
-    nbytes = model_bytes(model)
+    nbytes = model_bytes(model)  # uint4 codes counted at half a byte: what the route should read
+    stats = jax.devices()[0].memory_stats() or {}
+    in_use = stats.get("bytes_in_use")  # what the device holds (a uint4 array stored a byte per code shows)
     sheet = HBM_BYTES_PER_S.get(accelerator_name())
     out = []
     for B in batches:
@@ -178,7 +191,7 @@ def decode(cfg, quant: bool, batches, new_tokens, bandwidth, log, route: str = "
         step_bytes = nbytes + kv
         r = {"weights": f"int4-g128 ({route})" if quant else "bf16", "batch": B, "new_tokens": new_tokens,
              "tokens_per_s_incl_prefill": B * new_tokens / sec, "tokens_per_s_decode": steady,
-             "steps_per_s_decode": steady / B if steady else None, "model_bytes": nbytes,
+             "steps_per_s_decode": steady / B if steady else None, "model_bytes": nbytes, "device_bytes_in_use": in_use,
              "bound_steps_per_s_measured_bw": bandwidth / step_bytes,
              "bound_steps_per_s_datasheet_bw": sheet / step_bytes if sheet else None}
         r["fraction_of_measured_bound"] = r["steps_per_s_decode"] / r["bound_steps_per_s_measured_bw"] \
@@ -248,7 +261,7 @@ def main():
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip later phases past this many seconds")
     ap.add_argument("--lora-batches", default=None, help="comma-separated batch sizes to try, largest first")
     ap.add_argument("--phases", default="ceilings,qmatmul,decode_bf16,decode_int4_pallas,decode_int4_xla4,"
-                                        "decode_int4,lora_step")
+                                        "decode_int4,lora_step,lora_step_blocked")
     args = ap.parse_args()
     from amdllm.config import LlamaConfig, get_preset
     if args.tiny:
@@ -279,6 +292,8 @@ def main():
     phases = {"ceilings": lambda: ceilings(args.tiny, log),
               "qmatmul": lambda: qmatmul_routes(cfg, bw(), log, args.tiny),
               "lora_step": lambda: lora_step(cfg, seq, batches, steps, result["ceilings"]["matmul_flops"], log),
+              "lora_step_blocked": lambda: lora_step(cfg, seq, batches, steps, result["ceilings"]["matmul_flops"],
+                                                     log, "blocked"),
               "decode_bf16": lambda: decode(cfg, False, dec_b, new, bw(), log),
               "decode_int4": lambda: decode(cfg, True, dec_b, new, bw(), log, "xla"),
               "decode_int4_pallas": lambda: decode(cfg, True, dec_b, new, bw(), log, "pallas"),

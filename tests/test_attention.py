@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from amdllm.model.attention import attention, cached_attention
+from amdllm.model import fast
+from amdllm.model.attention import attention, cached_attention, library_attention
 from amdllm.model.fast import causal_attention, query_blocks
 from amdllm.model.fast import swiglu_joined as swiglu, swiglu_pair as swiglu2
 
@@ -57,6 +58,37 @@ def test_cached_attention_reads_a_head_major_cache(T):
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-6)
 
 
+def test_library_attention_matches_textbook():
+    """jax.nn.dot_product_attention (XLA's, what runs where cuDNN's cannot be checked: this CPU) with the
+    same packed segments and padding: outputs and gradients."""
+    q, k, v, mask, w, real = _inputs()
+    ref, got = attention(q, k, v, mask), library_attention(q, k, v, mask, "xla")
+    np.testing.assert_allclose(np.asarray(got * real), np.asarray(ref * real), atol=1e-6)
+    g_ref = jax.grad(lambda *a: jnp.sum(attention(*a, mask) * w), argnums=(0, 1, 2))(q, k, v)
+    g_got = jax.grad(lambda *a: jnp.sum(library_attention(*a, mask, "xla") * w), argnums=(0, 1, 2))(q, k, v)
+    for name, a, b in zip("qkv", g_got, g_ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6, err_msg=f"d{name}")
+
+
+def test_attention_implementation_by_backend(monkeypatch):
+    monkeypatch.delenv("AMDLLM_ATTENTION", raising=False)
+    assert fast.attention_implementation(jnp.bfloat16) == "blocked"  # the CPU
+
+    class Dev:
+        device_kind = "NVIDIA H200"
+    monkeypatch.setattr(fast.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(fast.jax, "devices", lambda: [Dev()])
+    assert fast.attention_implementation(jnp.bfloat16) == "cudnn"
+    assert fast.attention_implementation(jnp.float32) == "blocked"  # cuDNN's takes fp16/bf16 only
+    Dev.device_kind = "AMD Instinct MI300X"
+    assert fast.attention_implementation(jnp.bfloat16) == "blocked"  # no cuDNN on ROCm
+    monkeypatch.setenv("AMDLLM_ATTENTION", "xla")
+    assert fast.attention_implementation(jnp.bfloat16) == "xla"
+    monkeypatch.setenv("AMDLLM_ATTENTION", "flash")
+    with pytest.raises(ValueError, match="AMDLLM_ATTENTION='flash'"):
+        fast.attention_implementation(jnp.bfloat16)
+
+
 def test_swiglu_gradients():
     gu = jnp.asarray(np.random.default_rng(1).normal(size=(5, 12)) * 3, jnp.float32)
     ref = lambda gu: jnp.sum(jnp.sin(jax.nn.silu(gu[:, :6]) * gu[:, 6:]))  # noqa: E731
@@ -65,3 +97,23 @@ def test_swiglu_gradients():
                                np.asarray(jax.grad(ref)(gu)), atol=1e-5)
     g2 = jax.grad(lambda g, u: jnp.sum(jnp.sin(swiglu2(g, u))), argnums=(0, 1))(gu[:, :6], gu[:, 6:])
     np.testing.assert_allclose(np.asarray(jnp.concatenate(g2, -1)), np.asarray(jax.grad(ref)(gu)), atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["xla", "blocked"])
+def test_model_forward_with_each_attention_equals_textbook(monkeypatch, impl):
+    """The fast forward with AMDLLM_ATTENTION=impl gives the textbook model's logits on packed rows with
+    padding (what the cuDNN choice replaces on an NVIDIA GPU)."""
+    from flax import nnx
+
+    from amdllm.config import LlamaConfig
+    from amdllm.model import Llama, forward, to_pure
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    top, layers = to_pure(Llama(cfg, rngs=nnx.Rngs(0)))
+    seg = jnp.asarray([[1] * 6 + [2] * 7 + [0] * 3, [1] * 16])
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 64, (2, 16)))
+    monkeypatch.setenv("AMDLLM_ATTENTION", impl)
+    got = jax.jit(lambda t, l: fast.forward(cfg, t, l, tokens, segment_ids=seg)[0])(top, layers)
+    ref = forward(cfg, top, layers, tokens, segment_ids=seg)[0]
+    real = np.asarray(seg != 0)[:, :, None]
+    np.testing.assert_allclose(np.asarray(got) * real, np.asarray(ref) * real, atol=2e-5)

@@ -8,6 +8,9 @@
     keys are one contiguous [S, hd] matrix, the operand a batched matmul wants; with the slot axis first,
     XLA transposes the whole cache into that form in every layer of every decode step.
 
+  * `library_attention`: `attention` by `jax.nn.dot_product_attention`, "xla" or "cudnn" (cuDNN's fused
+    flash attention on NVIDIA GPUs, fp16/bf16); grouped-query natively, the mask broadcast over heads.
+
 A query row whose keys are all masked (a padding position) gets uniform weights instead of NaN: its
 output is never read (no real token attends to padding).
 """
@@ -53,3 +56,11 @@ def cached_attention(q, k, v, mask):
     probs = jax.nn.softmax(s, axis=2).astype(v.dtype).reshape(B, Hkv, S, G * T).swapaxes(2, 3)
     out = jnp.einsum("bkrs,bksd->bkrd", probs, v)                                   # [B, Hkv, G*T, hd]
     return out.reshape(B, Hkv, G, T, hd).transpose(0, 3, 1, 2, 4).reshape(B, T, H, hd)
+
+
+def library_attention(q, k, v, mask, implementation: str | None = None):
+    """q [B,T,H,hd], k/v [B,S,Hkv,hd], mask [B,T,S] bool -> [B,T,H,hd], by jax.nn.dot_product_attention with
+    `implementation` "xla" or "cudnn" (None: JAX's choice). Packing and padding stay in the mask; cuDNN
+    applies an arbitrary mask as a bias, so it reads [B, 1, T, S] per layer where its causal mask alone
+    would read nothing."""
+    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation=implementation)

@@ -5,7 +5,8 @@ numbers (tests/test_fast.py checks every one against the textbook), and is on wh
   * Blocked causal attention with a recomputing backward (`causal_attention`): query blocks skip the
     key blocks above the diagonal (10 of 16 score blocks at 4 blocks), and the backward recomputes the
     probabilities from q and k instead of keeping them: autodiff of the textbook version saves float32
-    probabilities [B, H, T, T] per layer, which `lax.scan` stacks over the layers. Everywhere.
+    probabilities [B, H, T, T] per layer, which `lax.scan` stacks over the layers. Everywhere but on an
+    NVIDIA GPU in fp16/bf16, where cuDNN's fused attention runs instead (`attention_implementation`).
   * A hand-written SwiGLU backward (`swiglu_joined`, `swiglu_pair`): it saves only its inputs (autodiff
     also saves sigmoid(gate), silu(gate) and more, stacked per layer by the scan). Everywhere.
   * Fused projections (`qkv`, `mlp` with `fuse=True`): q/k/v and gate/up each as one matmul on
@@ -23,6 +24,7 @@ The XLA:CPU compiler options the jitted steps use are in `amdllm.cpu`.
 from __future__ import annotations
 
 import math
+import os
 from functools import partial
 
 import jax
@@ -31,7 +33,7 @@ import numpy as np
 
 from amdllm.config import LlamaConfig
 import amdllm.model.llama as llama
-from amdllm.model.attention import _scores
+from amdllm.model.attention import _scores, library_attention
 from amdllm.model.layers import lora_delta, rms_norm
 from amdllm.model.llama import KVCache, Kernels, LoRA, Run, block, embed, project
 from amdllm.model.narrow import Bits, bf16_dots_for, fence, has_bits, head_blocked, keep_all_but_widening, lookup
@@ -196,18 +198,38 @@ _blocked.defvjp(_blocked_fwd, _blocked_bwd)
 # --------------------------------------------------------------------------------------------------
 # The switch, and the forward the hot paths run
 # --------------------------------------------------------------------------------------------------
-def kernels(fuse: bool) -> Kernels:
-    """The fast kernels; fuse: join q/k/v and gate/up into one matmul each (see the module doc)."""
+ATTENTION = ("blocked", "xla", "cudnn")
+
+
+def attention_implementation(dtype) -> str:
+    """The attention training, evaluation and prefills run (one of ATTENTION): $AMDLLM_ATTENTION where set;
+    else "cudnn" (cuDNN's fused flash attention) on an NVIDIA GPU in fp16/bf16, and our blocked one
+    elsewhere: cuDNN's does not run on ROCm (ROCm/jax#604) nor in float32, and on CPUs and TPUs XLA's
+    unfused attention keeps [B, H, T, T] float32 probabilities for the backward."""
+    chosen = os.environ.get("AMDLLM_ATTENTION", "").strip()
+    if chosen:
+        if chosen not in ATTENTION:
+            raise ValueError(f"AMDLLM_ATTENTION={chosen!r}: expected one of {', '.join(ATTENTION)}")
+        return chosen
+    nvidia = jax.default_backend() == "gpu" and "nvidia" in jax.devices()[0].device_kind.lower()
+    return "cudnn" if nvidia and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "blocked"
+
+
+def kernels(fuse: bool, attention: str = "blocked") -> Kernels:
+    """The fast kernels; fuse: join q/k/v and gate/up into one matmul each (see the module doc);
+    attention: one of ATTENTION."""
     def mlp(p, h, lora):
         gu = project_group(p, "gate_up", h, lora, fuse, joined=True)
         return swiglu_joined(gu) if not isinstance(gu, list) else swiglu_pair(*gu)
 
+    attend = causal_attention if attention == "blocked" else partial(library_attention, implementation=attention)
     return Kernels(qkv=lambda p, h, lora: tuple(project_group(p, "qkv", h, lora, fuse)),
-                   attend=causal_attention, mlp=mlp, weights=fence, lookup=lookup)
+                   attend=attend, mlp=mlp, weights=fence, lookup=lookup)
 
 
 def kernels_for(run: Run, layers=None) -> Kernels:
-    k = kernels(fuse=run.act_sharding is None and jax.default_backend() == "cpu")
+    k = kernels(fuse=run.act_sharding is None and jax.default_backend() == "cpu",
+                attention=attention_implementation(run.dtype))
     if has_bits(layers):  # a frozen narrow base
         k = k._replace(policy=keep_all_but_widening)
     return k

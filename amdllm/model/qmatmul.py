@@ -265,9 +265,10 @@ def prepare_kernels(model, route: str):
     """Convert a loaded GPTQ model's projections, in place, for `route` (one of ROUTES) -> the model.
 
     "pallas": each layer's rows are put in group order (`sort_act_order`), and a `perm` tensor is added
-    ([L, K] for act-order, [L, 0] otherwise). "int4": the packed words become uint4 codes [L, K, N] and the
-    zeros a dense [L, G, N] (4-bit, groups in order). "xla": unchanged. `save_quantized` writes a prepared
-    model as the checkpoint it came from (`restore_gptq`). One device only: the kernels are not sharded."""
+    ([L, K] for act-order, [L, 0] otherwise). "int4": the packed words become uint4 codes [L, K, N] and
+    the zeros uint4 [L, G, N] (4-bit, groups in order; converted on the device). "xla": unchanged.
+    `save_quantized` writes a prepared model as the checkpoint it came from (`restore_gptq`). One device
+    only: the kernels are not sharded."""
     if route not in ROUTES:
         raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
     if route == "xla":
@@ -278,22 +279,26 @@ def prepare_kernels(model, route: str):
         if len(lin.qweight[...].devices()) > 1:
             raise ValueError(f"prepare_kernels({route!r}): layers/{proj} is sharded over several devices; "
                              "the fused kernels run on one device")
-        stacked = {k: np.asarray(getattr(lin, k)[...]) for k in QUANT_KEYS}
-        per = [sort_act_order({k: v[i] for k, v in stacked.items()}) for i in range(stacked["g_idx"].shape[0])]
-        if route == "pallas":
-            for k in ("qweight", "g_idx"):
-                getattr(lin, k)[...] = jnp.asarray(np.stack([d[k] for d, _ in per]))
-            K = stacked["g_idx"].shape[-1]
-            perms = [np.arange(K, dtype=np.int32) if p is None else p for _, p in per]
-            acts = any(p is not None for _, p in per)
-            lin.perm = QuantTensor(jnp.asarray(np.stack(perms) if acts else np.zeros((len(per), 0), np.int32)))
-        else:
-            if any(p is not None for _, p in per):
+        g_idx = np.asarray(lin.g_idx[...])                                            # [L, K], small
+        L, K = g_idx.shape
+        gs = group_size_of({"g_idx": g_idx[0], "scales": lin.scales[...][0]})
+        in_order = all(np.array_equal(g, np.arange(K) // gs) for g in g_idx)
+        if route == "int4":
+            if not in_order:
                 raise QuantFormatError(f"layers/{proj}: the int4 route needs groups in order (no act-order)")
-            q4 = [to_int4(d) for d, _ in per]
-            lin.codes = QuantTensor(jnp.stack([d["codes"] for d in q4]))
-            lin.zeros = QuantTensor(jnp.stack([d["zeros"] for d in q4]))
+            q4 = jax.jit(jax.vmap(to_int4))({k: getattr(lin, k)[...] for k in QUANT_KEYS})  # on the device
+            lin.codes, lin.zeros = QuantTensor(q4["codes"]), QuantTensor(q4["zeros"])
             del lin.qweight, lin.qzeros
+            continue
+        if in_order:  # nothing to move: an empty perm says so (its shape is static inside jit)
+            lin.perm = QuantTensor(jnp.zeros((L, 0), jnp.int32))
+            continue
+        stacked = {k: np.asarray(getattr(lin, k)[...]) for k in QUANT_KEYS}
+        per = [sort_act_order({k: v[i] for k, v in stacked.items()}) for i in range(L)]
+        for k in ("qweight", "g_idx"):
+            getattr(lin, k)[...] = jnp.asarray(np.stack([d[k] for d, _ in per]))
+        lin.perm = QuantTensor(jnp.asarray(np.stack([np.arange(K, dtype=np.int32) if p is None else p
+                                                     for _, p in per])))
     return model
 
 

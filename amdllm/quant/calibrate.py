@@ -319,7 +319,12 @@ def _install(model, packed, bits):
 def model_bytes(model) -> int:
     """Bytes of every array the model holds on the device (packed words count as packed)."""
 
-    return int(sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)) if hasattr(x, "nbytes")))
+    return int(sum(x.size * _bits(x.dtype) // 8 for x in jax.tree.leaves(nnx.state(model)) if hasattr(x, "nbytes")))
+
+
+def _bits(dtype) -> int:
+    """Bits per element: 4 for (u)int4, whose arrays report a byte each in .nbytes."""
+    return jnp.iinfo(dtype).bits if jnp.issubdtype(dtype, jnp.integer) else jnp.dtype(dtype).itemsize * 8
 
 
 def paper_bytes(cfg, bits: int = 4, group_size: int = 128, fp_bytes: int = 2) -> dict:
