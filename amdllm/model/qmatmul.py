@@ -273,6 +273,9 @@ def prepare_kernels(model, route: str):
         raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
     if route == "xla":
         return model
+    if route == "pallas" and jax.default_backend() == "tpu":
+        raise ValueError("prepare_kernels('pallas'): the kernel is written for Triton (NVIDIA and AMD GPUs); "
+                         "on a TPU keep the reference route ('xla')")
     for proj, lin in sorted(vars(model.layers).items()):
         if not isinstance(lin, QuantLinear) or hasattr(lin, "perm") or hasattr(lin, "codes"):
             continue
