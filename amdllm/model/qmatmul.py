@@ -34,8 +34,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from amdllm.model.quantized import (QUANT_KEYS, QuantFormatError, QuantLinear, QuantTensor, check_bits,
-                                    dequantize, group_count, infer_bits, pack_cols, pack_rows, quantized_matmul,
-                                    unpack_cols, unpack_rows)
+                                    dequantize, dequantizing_backward, group_count, infer_bits, pack_cols,
+                                    pack_rows, quantized_matmul, unpack_cols, unpack_rows)
 
 GEMV_MAX_ROWS = 16  # up to this many rows of x: the multiply-and-sum inner product (decode)
 
@@ -73,18 +73,6 @@ def sort_act_order(q: dict) -> tuple[dict, np.ndarray | None]:
 # --------------------------------------------------------------------------------------------------
 # The Pallas kernel
 # --------------------------------------------------------------------------------------------------
-def _unpack_tile(words, bits: int, axis: int):
-    """int32 words -> codes, p = 32/bits codes per word, lowest bits first, laid out along `axis`:
-    axis 0: [R, C] -> [R*p, C] (qweight);  axis 1: [R, C] -> [R, C*p] (qzeros)."""
-    p = 32 // bits
-    shifts = jnp.arange(p, dtype=jnp.int32) * bits
-    if axis == 0:
-        c = (words[:, None, :] >> shifts[None, :, None]) & (2 ** bits - 1)     # [R, p, C]
-        return c.reshape(words.shape[0] * p, words.shape[1])
-    c = (words[:, :, None] >> shifts[None, None, :]) & (2 ** bits - 1)         # [R, C, p]
-    return c.reshape(words.shape[0], words.shape[1] * p)
-
-
 def _kernel(x_ref, qw_ref, qz_ref, s_ref, o_ref, *, bits, group_size, words_per_step, steps, gemv):
     # refs: x [bm, Kp*p] (this split's K rows), qweight [Kp, bn] words, qzeros [G, bn/p], scales [G, bn];
     # the output tile [bm, bn] is this split's partial sum, in float32.
@@ -95,8 +83,8 @@ def _kernel(x_ref, qw_ref, qz_ref, s_ref, o_ref, *, bits, group_size, words_per_
     def step(i, acc):
         g = i * rows // group_size                  # this step's group, within the split
         w = qw_ref[pl.ds(i * words_per_step, words_per_step), :]                    # [wps, bn] int32
-        codes = _unpack_tile(w, bits, 0).astype(jnp.float32)                        # [rows, bn]
-        zero = _unpack_tile(qz_ref[pl.ds(g, 1), :], bits, 1).astype(jnp.float32)    # [1, bn]
+        codes = unpack_rows(w, bits).astype(jnp.float32)                            # [rows, bn]
+        zero = unpack_cols(qz_ref[pl.ds(g, 1), :], bits).astype(jnp.float32)        # [1, bn]
         scale = s_ref[pl.ds(g, 1), :].astype(jnp.float32)                           # [1, bn]
         kernel = (codes - zero) * scale                                             # [rows, bn]
         x = x_ref[:, pl.ds(i * rows, rows)].astype(jnp.float32)                     # [bm, rows]
@@ -149,8 +137,8 @@ def pallas_matmul(x, qweight, qzeros, scales, *, bits: int, group_size: int, blo
     xp = jnp.pad(x, ((0, t["rows_m"] - M), (0, 0)))                        # [Mp, K]
     Kw, G = K // p // ks, K // group_size // ks                               # words and groups per split
     steps = Kw // t["words_per_step"]
-    kernel = functools.partial(_kernel, bits=bits, group_size=group_size, words_per_step=t["words_per_step"], steps=steps,
-                               gemv=t["gemv"])
+    kernel = functools.partial(_kernel, bits=bits, group_size=group_size, words_per_step=t["words_per_step"],
+                               steps=steps, gemv=t["gemv"])
     partial = pl.pallas_call(
         kernel,
         grid=(t["rows_m"] // bm, N // bn, ks),
@@ -179,14 +167,18 @@ def to_int4(q: dict) -> dict:
     return {"codes": codes, "zeros": unpack_cols(q["qzeros"], 4).astype(jnp.uint4), "scales": q["scales"]}
 
 
-def int4_matmul(x, q4: dict):
-    """x [M, K] @ ((codes - zeros[g]) * scales[g]) with g = k // group_size, in x's dtype."""
+def int4_kernel(q4: dict, dtype):
+    """(codes - zeros[g]) * scales[g] [K, N] in `dtype`, g = k // group_size: elementwise, for XLA to fuse."""
     codes, zeros, scales = q4["codes"], q4["zeros"], q4["scales"]
     K, N = codes.shape
     G = scales.shape[0]
-    w = codes.astype(x.dtype).reshape(G, K // G, N)                           # [G, gs, N]
-    w = (w - zeros.astype(x.dtype)[:, None, :]) * scales.astype(x.dtype)[:, None, :]
-    return jnp.dot(x, w.reshape(K, N), preferred_element_type=jnp.float32).astype(x.dtype)
+    w = codes.astype(dtype).reshape(G, K // G, N)                             # [G, gs, N]
+    return ((w - zeros.astype(dtype)[:, None, :]) * scales.astype(dtype)[:, None, :]).reshape(K, N)
+
+
+def int4_matmul(x, q4: dict):
+    """x [M, K] @ int4_kernel(q4) -> [M, N] in x's dtype (float32 sums)."""
+    return jnp.dot(x, int4_kernel(q4, x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def reference_matmul(x, q: dict):
@@ -232,12 +224,7 @@ def _pallas_fwd(x2d, q):
     return _pallas_vjp(x2d, q), (q, jnp.zeros((0,), x2d.dtype))
 
 
-def _pallas_bwd(res, dy):
-    q, like = res
-    return jnp.dot(dy.astype(like.dtype), dequantize(q, like.dtype).T), jax.tree.map(lambda a: None, q)
-
-
-_pallas_vjp.defvjp(_pallas_fwd, _pallas_bwd)
+_pallas_vjp.defvjp(_pallas_fwd, dequantizing_backward)
 
 
 @jax.custom_vjp
@@ -251,11 +238,7 @@ def _int4_fwd(x2d, q4):
 
 def _int4_bwd(res, dy):
     q4, like = res
-    K, N = q4["codes"].shape
-    G = q4["scales"].shape[0]
-    w = q4["codes"].astype(like.dtype).reshape(G, K // G, N)
-    w = ((w - q4["zeros"].astype(like.dtype)[:, None]) * q4["scales"].astype(like.dtype)[:, None]).reshape(K, N)
-    return jnp.dot(dy.astype(like.dtype), w.T), jax.tree.map(lambda a: None, q4)
+    return jnp.dot(dy.astype(like.dtype), int4_kernel(q4, like.dtype).T), jax.tree.map(lambda a: None, q4)
 
 
 _int4_vjp.defvjp(_int4_fwd, _int4_bwd)
@@ -308,8 +291,7 @@ def prepare_kernels(model, route: str):
 def restore_gptq(q: dict) -> dict:
     """One layer's tensors as `prepare_kernels` left them (numpy) -> the GPTQ tensors they came from."""
     if "perm" in q:
-        q = {k: np.asarray(q[k]) for k in QUANT_KEYS} | {"perm": np.asarray(q["perm"])}
-        perm = q.pop("perm")
+        perm, q = np.asarray(q["perm"]), {k: np.asarray(q[k]) for k in QUANT_KEYS}
         if perm.shape[-1] == 0:
             return q
         K = perm.shape[0]
@@ -324,6 +306,6 @@ def restore_gptq(q: dict) -> dict:
     return q
 
 
-__all__ = ["GEMV_MAX_ROWS", "ROUTES", "group_count", "group_size_of", "int4_matmul", "packed_matmul",
-           "pallas_matmul", "plan_blocks", "prepare_kernels", "reference_matmul", "restore_gptq",
+__all__ = ["GEMV_MAX_ROWS", "ROUTES", "group_count", "group_size_of", "int4_kernel", "int4_matmul",
+           "packed_matmul", "pallas_matmul", "plan_blocks", "prepare_kernels", "reference_matmul", "restore_gptq",
            "sort_act_order", "to_int4"]

@@ -138,10 +138,13 @@ def _qmm_fwd(x2d, q):
     return _qmm(x2d, q), (q, jnp.zeros((0,), x2d.dtype))        # the packed words only (and x's dtype)
 
 
-def _qmm_bwd(res, dy):
+def dequantizing_backward(res, dy):
+    """The backward of a matmul on packed GPTQ tensors whose forward saved (q, an empty array of x's
+    dtype): dx = dy @ W^T with W dequantized again, and no cotangent for the frozen words (also used by
+    `amdllm.model.qmatmul`'s fused routes)."""
     q, like = res
     dx = jnp.dot(dy.astype(like.dtype), dequantize(q, like.dtype).T)  # [M, K]
     return dx, jax.tree.map(lambda a: None, q)
 
 
-_qmm.defvjp(_qmm_fwd, _qmm_bwd)
+_qmm.defvjp(_qmm_fwd, dequantizing_backward)

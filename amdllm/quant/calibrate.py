@@ -319,7 +319,8 @@ def _install(model, packed, bits):
 def model_bytes(model) -> int:
     """Bytes of every array the model holds on the device (packed words count as packed)."""
 
-    return int(sum(x.size * _bits(x.dtype) // 8 for x in jax.tree.leaves(nnx.state(model)) if hasattr(x, "nbytes")))
+    arrays = [x for x in jax.tree.leaves(nnx.state(model)) if hasattr(x, "nbytes")]
+    return int(sum(x.size * _bits(x.dtype) // 8 for x in arrays))
 
 
 def _bits(dtype) -> int:
