@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import summarize, table, write_json  # noqa: E402
+from common import run_rounds, summarize, table, write_json  # noqa: E402
 
 SHAPE = dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
              num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
@@ -139,26 +138,6 @@ def write_checkpoint(path: Path, args) -> None:
     LlamaForCausalLM(LlamaConfig(**shape(args), eos_token_id=None, pad_token_id=0)).save_pretrained(path)
 
 
-def run_child(side: str, ckpt: Path, argv: list[str]) -> dict:
-    """One fresh process for `side` with the parent's flags; its last stdout line is the result."""
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv, "--child", side, str(ckpt)],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stderr[-4000:])
-        raise SystemExit(f"bench_decode: the {side} process failed (exit {proc.returncode})")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def run_rounds(ckpt: Path, args, argv: list[str]) -> dict[str, list[dict]]:
-    """--runs rounds of amdllm then transformers, so a load change on a shared machine hits both sides."""
-    runs = {side: [] for side in SIDES}
-    for i in range(args.runs):
-        for side in SIDES:
-            runs[side].append(run_child(side, ckpt, argv))
-            print(f"round {i + 1}/{args.runs} {side} done", file=sys.stderr, flush=True)
-    return runs
-
-
 def make_row(name: str, runs: dict[str, list[dict]], tokens: int, target: float | None) -> dict:
     """Per side: tokens / the median over runs of each run's median seconds, and the spread over runs."""
     per_run = {side: [statistics.median(r[name]["seconds"]) for r in runs[side]] for side in SIDES}
@@ -204,7 +183,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(tmp) / "ckpt"
         write_checkpoint(ckpt, args)
-        runs = run_rounds(ckpt, args, argv)
+        runs = run_rounds(__file__, SIDES, args.runs, argv, str(ckpt))
         names = [f"decode batch {b}" for b in batch_sizes(args)]
         checks = make_checks(runs, names, ckpt)
     rows = [make_row(n, runs, b * args.new_tokens, 2.0) for n, b in zip(names, batch_sizes(args))]

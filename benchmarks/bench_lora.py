@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -39,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_lora_shape_args, summarize  # noqa: E402
+from common import add_lora_shape_args, run_rounds, summarize  # noqa: E402
 
 SIDES = ("amdllm", "peft")
 # a framework each side's process must never load: sharing a process is what this layout avoids
@@ -158,28 +157,6 @@ def matmul_rates(seconds: float, n: int = 1024) -> tuple[float, float]:
             return 2 * n ** 3 * calls / (end - t0), 2 * n ** 3 / best
 
 
-def run_child(side: str, argv: list[str]) -> dict:
-    """One fresh process for `side` with the parent's flags; its last stdout line is the result."""
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--child", side],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stderr[-4000:])
-        raise SystemExit(f"bench_lora: the {side} process failed (exit {proc.returncode})")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def run_rounds(a, argv: list[str]) -> dict[str, list[dict]]:
-    """--runs rounds of amdllm then peft, so a load change on a shared machine hits both sides."""
-    runs = {side: [] for side in SIDES}
-    for i in range(a.runs):
-        for side in SIDES:
-            r = run_child(side, argv)
-            runs[side].append(r)
-            print(f"round {i + 1}/{a.runs} {side}: median step {statistics.median(r['step_seconds']):.3f} s",
-                  file=sys.stderr, flush=True)
-    return runs
-
-
 def mfu(tokens_per_second: float, flops: float, peak: float | None) -> float | None:
     return tokens_per_second * flops / peak if peak else None
 
@@ -254,7 +231,8 @@ def main(argv=None) -> int:
         assert FORBIDDEN[a.child] not in sys.modules, f"the {a.child} process imported {FORBIDDEN[a.child]}"
         print(json.dumps(res))
         return 0
-    res = report(a, run_rounds(a, argv))
+    res = report(a, run_rounds(__file__, SIDES, a.runs, argv,
+                               describe=lambda r: f"median step {statistics.median(r['step_seconds']):.3f} s"))
     print(json.dumps(res) if a.json else json.dumps(res, indent=2))
     if not a.json:
         print_summary(res)

@@ -1,4 +1,5 @@
-"""Shared helpers for the benchmark scripts: alternate the two sides, report median and spread, write JSON.
+"""Shared helpers for the benchmark scripts: run each side in its own processes, alternating (`run_rounds`),
+report median and spread, write JSON.
 
 Every script runs both sides on the same machine in the same run (alternating, after a warm-up), so a
 ratio is meaningful even on a noisy machine; absolute figures are printed with the machine they came from.
@@ -98,6 +99,31 @@ def alternate(sides: dict, repeats: int, warmup: int = 1) -> dict[str, dict]:
             fn()
             times[name].append(time.perf_counter() - t0)
     return {name: summarize(ts) for name, ts in times.items()}
+
+
+def run_child(script: str, side: str, argv: list[str], *extra: str) -> dict:
+    """`script` again in a fresh process with the parent's flags, `--child side` and `extra`; its last stdout
+    line (JSON) is the result. A failed child stops the benchmark with its stderr's tail."""
+    proc = subprocess.run([sys.executable, str(Path(script).resolve()), *argv, "--child", side, *extra],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr[-4000:])
+        raise SystemExit(f"{Path(script).stem}: the {side} process failed (exit {proc.returncode})")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_rounds(script: str, sides: tuple[str, ...], runs: int, argv: list[str], *extra: str,
+               describe=lambda r: "done") -> dict[str, list[dict]]:
+    """`runs` rounds of one child process per side, in order (amdllm, peer, amdllm, ...), so that a load
+    change on a shared machine hits both sides -> {side: [each process's result]}; describe(result) is
+    printed to stderr after each process."""
+    results = {side: [] for side in sides}
+    for i in range(runs):
+        for side in sides:
+            r = run_child(script, side, argv, *extra)
+            results[side].append(r)
+            print(f"round {i + 1}/{runs} {side}: {describe(r)}", file=sys.stderr, flush=True)
+    return results
 
 
 def write_json(result: dict, out: str | os.PathLike | None, name: str) -> Path | None:
