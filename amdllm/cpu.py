@@ -40,9 +40,12 @@ def cpu_flags() -> list[str]:
 def cpu_compiler_options(kind: str, hidden_size: int = 0, narrow: bool = False) -> dict | None:
     """XLA:CPU options for a jitted "decode" or "train" step (None elsewhere: nothing changes there).
 
-    decode: XLA:CPU hands dots to XNNPACK/YNNPACK, which pays off for large matmuls but not for a decode
-    step's few rows (31M benchmark model, batch 8: 97 ms a step with XNNPACK, 37 ms without; with
-    per-layer views, leaving the YNNPACK fusions off too, ~23 ms).
+    decode: XLA:CPU hands dots to XNNPACK/YNNPACK, which pays off for large matmuls but not for a small
+    model's decode step (31M benchmark model, hidden 512, batch 8: 97 ms a step with XNNPACK, 37 ms without;
+    with per-layer views, leaving the YNNPACK fusions off too, ~23 ms). From hidden_size
+    YNN_TRAIN_MIN_HIDDEN up XLA's defaults stay: without YNNPACK, Eigen multiplies a few rows by a 128k
+    vocabulary head pathologically slowly (1B shape, float32, 2 cores: a decode step of 2 rows took 4.1-4.6
+    s, of 8 rows 2.0 s, against 0.41-0.50 and 0.83 s with the defaults; 1 row 0.26-0.30 s either way).
     train: the YNNPACK fusions win on large kernels and lose on small ones. A model with hidden_size below
     YNN_TRAIN_MIN_HIDDEN sends its dots to Eigen instead: the 31M benchmark step (hidden 512) ~1.07x
     faster, unless its frozen base is bfloat16 on a CPU with bf16 dots (narrow=True): those need
@@ -51,7 +54,8 @@ def cpu_compiler_options(kind: str, hidden_size: int = 0, narrow: bool = False) 
     if jax.default_backend() != "cpu":
         return None
     if kind == "decode":
-        return {"xla_cpu_use_xnnpack": False, "xla_cpu_experimental_ynn_fusion_type": ""}
+        small = hidden_size < YNN_TRAIN_MIN_HIDDEN
+        return {"xla_cpu_use_xnnpack": False, "xla_cpu_experimental_ynn_fusion_type": ""} if small else None
     if kind == "train":
         small = hidden_size < YNN_TRAIN_MIN_HIDDEN and not (narrow and has_bf16_dots())
         return {"xla_cpu_experimental_ynn_fusion_type": ""} if small else None

@@ -166,8 +166,9 @@ def test_blocked_head_and_nll_equal_the_whole_head(monkeypatch, tied):
         h = jax.random.normal(jax.random.key(2), (3, 5, cfg.hidden_size))
         t = jax.random.randint(jax.random.key(3), (3, 5), 0, cfg.vocab_size)
         want = llama.head(top, h, jnp.float32)
-        np.testing.assert_allclose(np.asarray(jax.jit(narrow.head_blocked, static_argnums=2)(btop, h, jnp.float32)), np.asarray(want),
-                                   rtol=1e-5, atol=1e-5)
+        for rows in (h, h[:1, -1]):  # many rows, and one (a decode step's `head_product`)
+            np.testing.assert_allclose(np.asarray(jax.jit(narrow.head_blocked, static_argnums=2)(btop, rows, jnp.float32)),
+                                       np.asarray(llama.head(top, rows, jnp.float32)), rtol=1e-5, atol=1e-5)
         nll = jax.jit(narrow.token_nll_blocked, static_argnums=3)(btop, h, t, jnp.float32)
         np.testing.assert_allclose(np.asarray(nll), np.asarray(llama_token_nll(want, t)), rtol=1e-5, atol=1e-5)
 
@@ -283,6 +284,27 @@ def test_lora_step_on_a_bf16_base_multiplies_in_bf16_where_the_cpu_can(monkeypat
     q = narrow.Bits(layers["q_proj"].bits[0], jnp.bfloat16)  # has_bf16_dots is still True here
     for rows, want in ((1, 0), (narrow.BF16_DOT_MIN_ROWS, 1)):
         assert bf16_dot_count(q.matmul, jnp.ones((rows, BIG.hidden_size), jnp.bfloat16)) == want, rows
+
+
+def test_one_row_through_a_tied_head_reads_the_table_as_it_lies():
+    """A decode step's tied head: XLA:CPU copied the [V, D] table transposed every step for h @ w.T (1 GB at
+    the 1B shape); `head_product` multiplies it as it lies. The compiled one-row head holds no [D, V]."""
+    V, D = 1000, 64
+    top = {"embed_tokens": jax.random.normal(jax.random.key(0), (V, D))}
+    h = jax.random.normal(jax.random.key(1), (1, D))
+    hlo = jax.jit(narrow.head_blocked, static_argnums=2).lower(top, h, jnp.float32).compile().as_text()
+    assert f"f32[{D},{V}]" not in hlo
+    np.testing.assert_allclose(np.asarray(narrow.head_blocked(top, h, jnp.float32)),
+                               np.asarray(h @ top["embed_tokens"].T), rtol=1e-5, atol=1e-5)
+
+
+def test_decode_step_options_keep_xla_defaults_for_large_models():
+    """Small models decode without XNNPACK/YNNPACK (faster there); from YNN_TRAIN_MIN_HIDDEN up XLA's
+    defaults stay, since Eigen alone took 4 s for a 2-row step of the 1B shape (see cpu_compiler_options)."""
+    from amdllm import cpu
+    assert cpu.cpu_compiler_options("decode", 512) == {"xla_cpu_use_xnnpack": False,
+                                                         "xla_cpu_experimental_ynn_fusion_type": ""}
+    assert cpu.cpu_compiler_options("decode", cpu.YNN_TRAIN_MIN_HIDDEN) is None
 
 
 def test_bf16_dots_follow_the_cpu_flags_or_the_override(monkeypatch):
