@@ -221,7 +221,8 @@ class Engine:
         # the cache is donated: XLA may update it in place instead of copying [L, B, Hkv, S, hd] twice a
         # step (jax 0.10's CPU client implements donation too)
         self._prefill = jax.jit(prefill, donate_argnums=(2,))
-        self._step = jax.jit(step, donate_argnums=(2,), compiler_options=cpu_compiler_options("decode", cfg.hidden_size))
+        self._step = jax.jit(step, donate_argnums=(2,),
+                             compiler_options=cpu_compiler_options("decode", cfg.hidden_size))
         self._shift = jax.jit(shift, donate_argnums=(0,))
         self._move = jax.jit(move, donate_argnums=(0,))
         self._grow = jax.jit(lambda cache, n: KVCache(_pad_slots(cache.k, n), _pad_slots(cache.v, n),

@@ -77,7 +77,8 @@ def _compiled(model):
 
     # the cache is rewritten every step: donate it so XLA writes the new slot in place
     _COMPILED[key] = (jax.jit(prefill, static_argnames=("cache_len", "per_layer")),
-                      jax.jit(step, donate_argnums=(4,), compiler_options=cpu_compiler_options("decode", cfg.hidden_size)))
+                      jax.jit(step, donate_argnums=(4,),
+                              compiler_options=cpu_compiler_options("decode", cfg.hidden_size)))
     return _COMPILED[key]
 
 

@@ -221,15 +221,16 @@ def _fold_head(top, h2, dtype, step, carry):
 
 
 def head_blocked(top: dict, h, dtype):
-    """`layers.head` (float32 logits [..., V]) by vocabulary blocks when the head is narrow on a CPU, so
-    it is never widened whole. Differentiable in h (and in a plain narrow head; `Bits` get none)."""
+    """`layers.head` (float32 logits [..., V]) on a CPU: by vocabulary blocks when the head is narrow, so
+    it is never widened whole; a float32 head in one `head_product`. Differentiable in h (and in a plain
+    narrow head; `Bits` get none)."""
     w, axis = _head_table(top)
     if jax.default_backend() != "cpu":
         return llama_head(top, h, dtype)
-    if not _narrow(w):
-        return head_product(h.reshape(-1, h.shape[-1]), w.astype(dtype), axis == 0).reshape(*h.shape[:-1], -1)
     lead, D = h.shape[:-1], h.shape[-1]
     h2 = h.reshape(-1, D)
+    if not _narrow(w):
+        return head_product(h2, w.astype(dtype), axis == 0).reshape(*lead, -1)
     V = w.shape[axis]
     out = _fold_head(top, h2, dtype, lambda o, lg, s: jax.lax.dynamic_update_slice_in_dim(o, lg, s, axis=1),
                      jnp.zeros((h2.shape[0], V), jnp.float32))
