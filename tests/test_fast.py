@@ -3,6 +3,7 @@ logits, LoRA gradients (blocked attention's and SwiGLU's hand-written backward p
 LoRA dropout, GPTQ-packed weights, and per-layer decoding with a KV cache. The tolerance is float32
 rounding noise for the model's size (amdllm.model.logit_tolerance)."""
 import dataclasses
+import re
 
 import jax
 import jax.extend.core
@@ -284,6 +285,33 @@ def test_lora_step_on_a_bf16_base_multiplies_in_bf16_where_the_cpu_can(monkeypat
     q = narrow.Bits(layers["q_proj"].bits[0], jnp.bfloat16)  # has_bf16_dots is still True here
     for rows, want in ((1, 0), (narrow.BF16_DOT_MIN_ROWS, 1)):
         assert bf16_dot_count(q.matmul, jnp.ones((rows, BIG.hidden_size), jnp.bfloat16)) == want, rows
+
+
+def test_a_bf16_base_hands_its_residuals_to_the_backward_as_bits(monkeypatch):
+    """The layer scan stacks each layer's residuals per layer; XLA:CPU widened a bf16 stack to float32 and back
+    to write each layer's slice (1B LoRA step: about 1.1 of 9.5 s). `narrow.keep_bits` hands them over as
+    uint16: the same loss and LoRA gradients, bit for bit, and no float32 conversion of a stacked buffer."""
+    from amdllm.train.step import loss_fn, split_params
+    cfg = dataclasses.replace(BIG, num_hidden_layers=3)
+    m = lora.apply_lora(bf16_model(cfg), rank=4, alpha=8)
+    trained, frozen = split_params(m)
+    top, layers = narrow.inference_weights({k: v for k, v in frozen.items() if k != "layers"}, frozen["layers"])
+    frozen = {**top, "layers": layers}
+    toks = tokens(2, 64) % cfg.vocab_size
+    batch = {"tokens": toks, "targets": jnp.roll(toks, -1, 1), "positions": jnp.broadcast_to(jnp.arange(64), (2, 64)),
+             "segment_ids": jnp.ones_like(toks), "weights": jnp.ones(toks.shape, jnp.float32)}
+    grad = jax.jit(jax.value_and_grad(lambda t: loss_fn(t, frozen, batch, model=m)))
+    widened_stack = rf"= f32\[{cfg.num_hidden_layers},[^ ]* convert\(%param"  # inside a fusion
+    got, hlo = grad(trained), grad.lower(trained).compile().as_text()
+    assert not re.search(widened_stack, hlo)
+    plain = lambda layer: jax.checkpoint(layer, policy=narrow.keep_all_but_widening, prevent_cse=False)  # noqa: E731
+    monkeypatch.setattr(fast, "keep_bits", plain)
+    grad = jax.jit(jax.value_and_grad(lambda t: loss_fn(t, frozen, batch, model=m)))
+    want, hlo = grad(trained), grad.lower(trained).compile().as_text()
+    assert re.search(widened_stack, hlo)  # what this fixes
+    assert float(got[0]) == float(want[0])
+    for k in want[1]:
+        np.testing.assert_array_equal(np.asarray(got[1][k]), np.asarray(want[1][k]), err_msg=k)
 
 
 def test_one_row_through_a_tied_head_reads_the_table_as_it_lies():

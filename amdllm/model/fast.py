@@ -36,7 +36,7 @@ import amdllm.model.llama as llama
 from amdllm.model.attention import _scores, library_attention
 from amdllm.model.layers import lora_delta, rms_norm
 from amdllm.model.llama import KVCache, Kernels, LoRA, Run, block, embed, project
-from amdllm.model.narrow import Bits, bf16_dots_for, fence, has_bits, head_blocked, keep_all_but_widening, lookup
+from amdllm.model.narrow import Bits, bf16_dots_for, fence, has_bits, head_blocked, keep_bits, lookup
 
 FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
 FUSE_MIN_ROWS = 64  # below this (decoding), copying the kernels costs more than fewer matmuls save
@@ -231,7 +231,7 @@ def kernels_for(run: Run, layers=None) -> Kernels:
     k = kernels(fuse=run.act_sharding is None and jax.default_backend() == "cpu",
                 attention=attention_implementation(run.dtype))
     if has_bits(layers):  # a frozen narrow base
-        k = k._replace(policy=keep_all_but_widening)
+        k = k._replace(checkpoint=keep_bits)
     return k
 
 

@@ -88,7 +88,7 @@ class Kernels(NamedTuple):
     mlp: Callable     # (p, h [B,T,D], lora) -> silu(h W_gate) * (h W_up) [B,T,F]
     weights: Callable = lambda p: p  # (p) -> p, applied to each layer's parameters before use
     lookup: Callable = lambda table, tokens: jnp.take(table, tokens, axis=0)  # embedding rows [B, T, D]
-    policy: Any = None  # a jax.checkpoint policy for each layer under autodiff (None: keep what it needs)
+    checkpoint: Any = None  # (layer) -> layer: what each layer keeps for the backward (None: all it needs)
 
 
 class LoRA(NamedTuple):
@@ -182,8 +182,8 @@ def forward(cfg: LlamaConfig, top: dict, layers: dict, tokens, *, positions=None
 
     if run.remat:  # keep each layer's input only; recompute the rest in the backward pass
         layer = jax.checkpoint(layer, prevent_cse=False)
-    elif kernels.policy is not None:
-        layer = jax.checkpoint(layer, policy=kernels.policy, prevent_cse=False)
+    elif kernels.checkpoint is not None:
+        layer = kernels.checkpoint(layer)
     kvs = None if cache is None else (cache.k, cache.v)
     x, kvs = jax.lax.scan(layer, x, (layers, kvs, jnp.arange(cfg.num_hidden_layers)))
     x = rms_norm(x, top["norm"], cfg.rms_norm_eps)                                      # [B, T, D]

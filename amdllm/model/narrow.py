@@ -184,6 +184,38 @@ def keep_all_but_widening(prim, *_, **__) -> bool:
     return prim.name not in RECOMPUTED
 
 
+def keep_bits(layer):
+    """`layer(x, xs)` of the layer scan over a frozen narrow base, as the backward needs it: checkpointed with
+    `keep_all_but_widening`, and its bfloat16/float16 residuals handed over as their bits (`Bits`).
+
+    `lax.scan` stacks each layer's residuals into [L, ...] buffers, one dynamic-update-slice per layer.
+    XLA:CPU has no bf16 dynamic-update-slice: it widens the whole stacked buffer to float32, writes the
+    slice and narrows it back, every layer (1B LoRA step: about 1.1 s of 9.5). Integers are written in
+    place."""
+    kept = jax.checkpoint(layer, policy=keep_all_but_widening, prevent_cse=False)
+
+    @jax.custom_vjp
+    def run(x, xs):
+        return kept(x, xs)
+
+    def fwd(x, xs):
+        out, pullback = jax.vjp(kept, x, xs)  # pullback: a pytree whose leaves are the residuals
+        return out, jax.tree.map(_as_bits, pullback)
+
+    def bwd(res, ct):
+        return jax.tree.map(widen, res, is_leaf=_is_bits)(ct)
+
+    run.defvjp(fwd, bwd)
+    return run
+
+
+def _as_bits(a):
+    """A bfloat16/float16 array as `Bits`; anything else as it is."""
+    if not _narrow(a) or _is_bits(a):
+        return a
+    return Bits(jax.lax.bitcast_convert_type(a, jnp.uint16), a.dtype)
+
+
 def lookup(table, tokens):
     """Embedding rows [B, T, D] (`Kernels.lookup`), gathered from the bits when the table is `Bits`."""
     if _is_bits(table):
