@@ -18,8 +18,10 @@
    and the KV cache once.
 Phases run in the order ceilings, qmatmul, decode_bf16, decode_int4_pallas, decode_int4_xla4, decode_int4
 (the reference route), lora_step (1 above: the backend's attention, cuDNN's on NVIDIA in bf16; its
-"attention" field says which), lora_step_blocked (the same with amdllm's blocked attention); `--phases`
-picks, `--budget-s` skips what is left.
+"attention" field says which), lora_step_dots (the same with `remat="dots"`: each layer keeps its
+projections' outputs and recomputes only norms, RoPE, attention and SwiGLU, instead of the whole layer),
+lora_step_blocked (remat full with amdllm's blocked attention); `--phases` picks, `--budget-s` skips what
+is left.
 
 Results are written to OUT/gpu.json after every phase, so a run cut short still reports what it measured.
 
@@ -73,7 +75,7 @@ def ceilings(tiny: bool, log) -> dict:
     return r
 
 
-def lora_step(cfg, seq_len, batches, steps, measured_peak, log, attention: str | None = None):
+def lora_step(cfg, seq_len, batches, steps, measured_peak, log, attention: str | None = None, remat: str = "full"):
     """attention: force one of amdllm.model.fast.ATTENTION (AMDLLM_ATTENTION); None: the backend's choice."""
     import os
 
@@ -91,7 +93,7 @@ def lora_step(cfg, seq_len, batches, steps, measured_peak, log, attention: str |
     from amdllm import train
     from amdllm.model import Llama
 
-    model = Llama(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16, dtype=jnp.bfloat16, remat=True)
+    model = Llama(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16, dtype=jnp.bfloat16, remat=remat)
     lora_mod.apply_lora(model, rank=8, alpha=16)
     lora, frozen = train.split_params(model)
     opt, _ = train.make_optimizer(train.TrainConfig(steps=100, seq_len=seq_len))
@@ -129,7 +131,8 @@ def lora_step(cfg, seq_len, batches, steps, measured_peak, log, attention: str |
             tried.append({"batch": B, "error": str(e).splitlines()[0][:300]})
             continue
         tps = B * seq_len / sec
-        res = {"batch": B, "seq_len": seq_len, "remat": True, "attention": attention, "step_s": sec, "tokens_per_s": tps,
+        res = {"batch": B, "seq_len": seq_len, "remat": remat, "attention": attention, "step_s": sec,
+               "tokens_per_s": tps,
                "compile_s": compile_s, "bytes_needed": need,
                "flops_per_token": fpt, "flop_formula": "4N + 12*L*S*d_attn + LoRA terms (no frozen weight grads)",
                "peak_flops_datasheet": peak, "mfu": tps * fpt / peak if peak else None,
@@ -261,7 +264,7 @@ def main():
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip later phases past this many seconds")
     ap.add_argument("--lora-batches", default=None, help="comma-separated batch sizes to try, largest first")
     ap.add_argument("--phases", default="ceilings,qmatmul,decode_bf16,decode_int4_pallas,decode_int4_xla4,"
-                                        "decode_int4,lora_step,lora_step_blocked")
+                                        "decode_int4,lora_step,lora_step_dots,lora_step_blocked")
     args = ap.parse_args()
     from amdllm.config import LlamaConfig, get_preset
     if args.tiny:
@@ -292,6 +295,8 @@ def main():
     phases = {"ceilings": lambda: ceilings(args.tiny, log),
               "qmatmul": lambda: qmatmul_routes(cfg, bw(), log, args.tiny),
               "lora_step": lambda: lora_step(cfg, seq, batches, steps, result["ceilings"]["matmul_flops"], log),
+              "lora_step_dots": lambda: lora_step(cfg, seq, batches, steps, result["ceilings"]["matmul_flops"], log,
+                                                  remat="dots"),
               "lora_step_blocked": lambda: lora_step(cfg, seq, batches, steps, result["ceilings"]["matmul_flops"],
                                                      log, "blocked"),
               "decode_bf16": lambda: decode(cfg, False, dec_b, new, bw(), log),

@@ -66,6 +66,27 @@ def test_lora_gradients_equal_textbook():
         np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), atol=1e-4 * scale, err_msg=k)
 
 
+@pytest.mark.parametrize("fwd", [llama.forward, fast.forward], ids=["textbook", "fast"])
+def test_remat_modes_give_the_same_lora_gradients(fwd):
+    """Run.remat "dots" (keep the projections' outputs) and "full" (keep each layer's input) recompute what
+    "none" keeps: the same LoRA gradients, to float32 rounding."""
+    m = model()
+    top, layers = to_pure(m)
+    lo = {k: v for k, v in layers.items() if "lora" in k}
+    base = {k: v for k, v in layers.items() if "lora" not in k}
+    toks = tokens(4, 32)
+    grads = {r: jax.jit(jax.grad(lambda lo, r=r: jnp.sum(jnp.sin(
+        fwd(CFG, top, {**base, **lo}, toks, run=Run(lora_scale=m.lora_scale, remat=r))[0]))))(lo)
+        for r in llama.REMAT}
+    for r in ("dots", "full"):
+        for k in lo:
+            scale = float(jnp.abs(grads["none"][k]).max())
+            np.testing.assert_allclose(np.asarray(grads[r][k]), np.asarray(grads["none"][k]), atol=1e-5 * scale,
+                                       err_msg=f"{r}: {k}")
+    with pytest.raises(ValueError, match="remat must be one of"):
+        llama.remat_mode("some")
+
+
 def test_lora_dropout_draws_the_same_masks():
     """Fused projections keep the LoRA A's separate under dropout: each projection draws its own mask."""
     m = model()

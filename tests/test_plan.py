@@ -56,6 +56,13 @@ def test_cli_plan_json(capsys):
     assert round(p["per_device_gb"]["weights"]) == 101 and round(p["weights_bytes_total"] / 1e9) == 812
     assert p["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1} and p["seq_len"] == 2048
     assert p["fits"] is False and p["fits_remat"] is True  # 2048 tokens need remat on 192 GB
+    assert p["remat"] == "none" and p["fits_as_run"] is False
+    for mem, least in (("192", "full"), ("256", "dots")):  # --remat auto: the least recompute that fits
+        assert main(["plan", "--model", "llama-3.1-405b", "--devices", "8", "--device-memory", mem, "--mesh", "fsdp=8",
+                     "--lora-rank", "8", "--batch-size", "1", "--seq-len", "2048", "--remat", "auto", "--json"]) == 0
+        p = json.loads(capsys.readouterr().out)
+        assert p["remat"] == least and p["fits_as_run"] and not p["fits"], (mem, p["remat"])
+        assert p["total_bytes"] > p["total_bytes_dots"] > p["total_bytes_remat"]
     rc = main(["plan", "--model", "llama-3.1-405b", "--devices", "8", "--device-memory", "80",
                "--mesh", "fsdp=8", "--rank", "0"])
     human = capsys.readouterr().out
@@ -106,12 +113,15 @@ def test_planner_vs_xla(cfg, batch, seq, targets):
     ratio = p["total_bytes"] / _memory(fwd)
     assert 0.9 < ratio < 1.1, ratio
     p = PL.plan(cfg, lora_rank=8, lora_targets=targets.split(","), **kw)
-    for remat in (False, True):
+    xla = {}
+    for remat in ("none", "dots", "full"):
         c = jax.jit(_lora_step, donate_argnums=(0, 1), static_argnums=(5, 6)).lower(
             lp, OPT.init(lp), top, base, tok, cfg, remat).compile()
-        ratio = p["total_bytes_remat" if remat else "total_bytes"] / _memory(c)
+        xla[remat] = _memory(c)
+        ratio = p["total_bytes" + PL.remat_key(remat)] / xla[remat]
         print(f"{targets} remat={remat}: plan / XLA = {ratio:.3f}")
         assert 0.8 < ratio < 1.2, (remat, ratio)
+    assert xla["none"] > xla["dots"] > xla["full"], xla  # keeping the projections costs between the two
 
 
 OPT = optax.adamw(1e-3)

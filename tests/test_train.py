@@ -216,10 +216,11 @@ def test_cli_finetune_writes_peft_adapter_metrics_and_merged_checkpoint(tmp_path
     out = tmp_path / "out"
     rc = cli.main(["finetune", "--model", str(ckpt), "--data", str(tmp_path / "d.jsonl"), "--out", str(out),
                    "--steps", "3", "--rank", "4", "--targets", "q,v,down", "--batch-size", "4", "--seq-len", "64",
-                   "--mesh", "fsdp=1", "--lr", "1e-2", "--merge", "--no-progress", "--json"])
+                   "--mesh", "fsdp=1", "--lr", "1e-2", "--merge", "--remat", "auto", "--no-progress", "--json"])
     assert rc == 0
     res = json.loads(capsys.readouterr().out)  # exactly one JSON object on stdout
     assert res["steps"] == 3 and res["merged_dir"] == str(out / "merged")
+    assert res["remat"] == "none"  # auto: it fits without recomputing anything
     assert len(train.read_metrics(out / "metrics.jsonl")) == 3
     # the plan is the run: `amdllm plan` with the same options gives the figure finetune printed beside XLA's
     assert cli.main(["plan", "--model", str(ckpt), "--devices", "1", "--mesh", "fsdp=1", "--accelerator", "cpu",
@@ -233,6 +234,12 @@ def test_cli_finetune_writes_peft_adapter_metrics_and_merged_checkpoint(tmp_path
                    str(tmp_path / "nofit"), "--device-memory", "0.001", "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 2 and "the plan needs" in err and "--device-memory" in err and not (tmp_path / "nofit").exists()
+    between = (planned["total_bytes"] + planned["total_bytes_dots"]) / 2 / 1e9  # fits only with --remat dots
+    rc = cli.main(["finetune", "--model", str(ckpt), "--data", str(tmp_path / "d.jsonl"), "--out",
+                   str(tmp_path / "nofit"), "--device-memory", f"{between:.6f}", "--dtype", "float32", "--rank", "4",
+                   "--targets", "q,v,down", "--batch-size", "4", "--seq-len", "64", "--mesh", "fsdp=1", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--remat dots would fit" in err and not (tmp_path / "nofit").exists(), err
     tokens = torch.tensor(np.random.default_rng(0).integers(3, 1152, (2, 10)))
     with torch.no_grad():
         base_logits = hf(tokens).logits.numpy()  # before PEFT injects the adapter into `hf` in place

@@ -88,4 +88,7 @@ def add_run_shape_args(p: argparse.ArgumentParser, *, plan: bool = False) -> Non
                    help="mesh spec, e.g. fsdp=8 or data=2,fsdp=8 (default: every device on fsdp when >1)")
     p.add_argument("--rules", default=None, choices=sorted(RULES),
                    help=f"sharding rules preset (amdllm.parallel.sharding; default {DEFAULT_RULES})")
-    p.add_argument("--remat", action="store_true", help="recompute each layer in the backward (less memory)")
+    p.add_argument("--remat", nargs="?", const="full", default="none", choices=("none", "dots", "full", "auto"),
+                   help="what the backward recomputes: full (the flag alone: each layer from its input, least "
+                        "memory), dots (keep the projections' outputs, recompute the rest), auto (the least "
+                        "recompute the plan fits), none (default)")

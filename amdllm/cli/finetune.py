@@ -19,7 +19,7 @@ from amdllm.files import atomic_write_text, check_output_dir
 from amdllm.io.templates import TEMPLATE_FILE, use_chat_template
 from amdllm.io.tokenizer import load_tokenizer
 from amdllm.model import lora as lora_mod
-from amdllm.parallel.plan import GB, device_memory
+from amdllm.parallel.plan import GB, REMAT_KEYS, device_memory
 from amdllm.parallel.plan import plan as plan_run
 from amdllm.parallel.sharding import make_mesh, placement
 from amdllm.train import data as data_mod
@@ -106,11 +106,11 @@ def run(args) -> int:
     spec = args.mesh or ("auto" if jax.device_count() > 1 else None)
     mesh = make_mesh(spec, cfg=cfg, rules=args.rules) if spec else None
     check_batch_splits(args.batch_size, mesh, args.rules)
-    planned = check_plan(args, cfg, mesh, dtype, quant)
+    planned, remat = check_plan(args, cfg, mesh, dtype, quant)
     rss_before = rss_now()
     # the frozen base straight into the mesh, in the dtype asked for: each device reads only its blocks;
     # LoRA factors and AdamW state are float32, created already split (amdllm.model.lora)
-    model = checkpoint.load(model_dir, dtype=jnp.dtype(dtype), remat=args.remat, allow_pickle=args.allow_pickle,
+    model = checkpoint.load(model_dir, dtype=jnp.dtype(dtype), remat=remat, allow_pickle=args.allow_pickle,
                             mesh=mesh, rules=args.rules)
     lora_mod.apply_lora(model, rank=args.rank, alpha=args.alpha, dropout=args.dropout, targets=args.targets,
                         seed=args.seed, place=None if mesh is None else placement(mesh, args.rules))
@@ -129,7 +129,7 @@ def run(args) -> int:
         merged = lora_mod.merge_lora(model)
         res["merged_dir"] = str(checkpoint.save(merged, Path(args.out) / "merged", tokenizer_from=model_dir))
     res.pop("losses")
-    res["dtype"] = dtype
+    res["dtype"], res["remat"] = dtype, remat
     res["memory"].update(anon_before_load_bytes=rss_before, anon_after_load_bytes=rss_loaded)
     loss = "n/a (resumed at the end)" if res["final_loss"] is None else f"{res['final_loss']:.4f}"
     human = (f"trained {res['steps']} steps: loss {loss}, "
@@ -140,26 +140,33 @@ def run(args) -> int:
     return 0
 
 
-def check_plan(args, cfg, mesh, dtype: str, quant: dict | None) -> int:
-    """The planner's per-device bytes for this run; a run the plan says cannot fit is refused before any
-    weight is read. quant: a GPTQ base's quantization config (QLoRA: the packed bytes are planned)."""
+def check_plan(args, cfg, mesh, dtype: str, quant: dict | None) -> tuple[int, str]:
+    """(the planner's per-device bytes for this run, its remat mode: --remat auto becomes the least recompute
+    that fits); a run the plan says cannot fit is refused before any weight is read. quant: a GPTQ base's
+    quantization config (QLoRA: the packed bytes are planned)."""
     sizes = None if mesh is None else dict(mesh.shape)
     p = plan_run(cfg, devices=1 if mesh is None else mesh.size, device_memory_gb=1.0, mesh=sizes,
                  rules=args.rules, lora_rank=args.rank, lora_targets=tuple(args.targets.split(",")),
                  batch_size=args.batch_size, seq_len=args.seq_len, dtype=dtype,
                  accelerator="cpu" if jax.default_backend() == "cpu" else None,
                  bits=quant and quant["bits"], group_size=quant["group_size"] if quant else 128)
-    need = p["total_bytes_remat" if args.remat else "total_bytes"]
     if args.device_memory is not None:
         have, where = args.device_memory * GB, "--device-memory"
     else:
         have, where = device_memory()
+    fits = {m: p["total_bytes" + k] <= have for m, k in REMAT_KEYS.items()}
+    remat = args.remat
+    if remat == "auto":
+        remat = next((m for m in fits if fits[m]), "full")
+    need = p["total_bytes" + REMAT_KEYS[remat]]
     if need > have:
-        hint = "" if args.remat or p["total_bytes_remat"] > have else "--remat would fit; "
-        skip = "activations" if args.remat else "activations_remat"
-        parts = ", ".join(f"{k} {v:.2f}" for k, v in p["per_device_gb"].items() if v and k != skip)
+        lighter = [m for m in list(fits)[list(fits).index(remat) + 1:] if fits[m]]
+        hint = f"--remat {lighter[0]} would fit; " if lighter else ""
+        kept = "activations" + REMAT_KEYS[remat]
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in p["per_device_gb"].items()
+                          if v and (k == kept or not k.startswith("activations")))
         raise ValueError(f"the plan needs {need / GB:.2f} GB per device ({parts}) and a device has "
                          f"{have / GB:.2f} GB ({where}): {hint}use more devices, a smaller --batch-size or "
                          "--seq-len, or --device-memory if that figure is wrong (`amdllm plan` takes the same "
                          "options)")
-    return int(need)
+    return int(need), remat

@@ -6,7 +6,8 @@ from pathlib import Path
 from amdllm.cli.common import add_run_shape_args, count, emit, model_dir, number
 from amdllm.config import PRESETS, LlamaConfig
 from amdllm.io.gptq_format import quant_config_of
-from amdllm.parallel.plan import DEVICE_MEMORY_GB, DTYPE_BYTES, PEAK_BF16_TFLOPS, fewest_devices, format_plan, plan
+from amdllm.parallel.plan import (DEVICE_MEMORY_GB, DTYPE_BYTES, PEAK_BF16_TFLOPS, fewest_devices, format_plan,
+                                  least_remat, plan, remat_key)
 
 
 def add_cli(sub) -> None:
@@ -29,7 +30,7 @@ def add_cli(sub) -> None:
                    help="GPTQ group size with --bits (default: the directory's, else 128; -1: one group)")
     p.add_argument("--fewest-devices", action="store_true",
                    help="also find the fewest devices (an fsdp=N mesh, the rules' batch split) on which this "
-                        "run fits, with and without --remat")
+                        "run fits, without remat and with --remat dots and full")
     p.add_argument("--tokens-per-second", type=number(0, above=True), default=None,
                    help="also report the MFU this implies")
     p.add_argument("--json", action="store_true")
@@ -68,14 +69,16 @@ def run(args) -> int:
     p = plan(cfg, devices=args.devices, device_memory_gb=mem, mesh=args.mesh, accelerator=acc,
              tokens_per_s=args.tokens_per_second, **shape)
     p["model"] = args.model or "default"
-    p["remat"] = args.remat
-    p["fits_as_run"] = p["fits_remat" if args.remat else "fits"]
+    p["remat"] = (least_remat(p) or "full") if args.remat == "auto" else args.remat
+    p["fits_as_run"] = p["fits" + remat_key(p["remat"])]
     human = format_plan(p)
+    if args.remat != "none":
+        human += f"\nas run (--remat {p['remat']}): {'fits' if p['fits_as_run'] else 'does NOT fit'}"
     if args.fewest_devices:
         p["fewest_devices"] = {key: fewest_devices(cfg, mem, remat=r, **shape) for key, r in
-                               (("without_remat", False), ("with_remat", True))}
-        f = p["fewest_devices"]
-        human += (f"\nfewest {acc} devices ({mem:g} GB, fsdp=N): {f['without_remat'] or 'none up to 1024'} without "
-                  f"remat, {f['with_remat'] or 'none up to 1024'} with remat")
+                               (("without_remat", "none"), ("with_remat_dots", "dots"), ("with_remat", "full"))}
+        f = {k: v or "none up to 1024" for k, v in p["fewest_devices"].items()}
+        human += (f"\nfewest {acc} devices ({mem:g} GB, fsdp=N): {f['without_remat']} without remat, "
+                  f"{f['with_remat_dots']} with remat dots, {f['with_remat']} with remat full")
     emit(p, args.json, human)
     return 0

@@ -95,7 +95,7 @@ class MemoryExplorer:
             "seq_len": dd([64, 256, 512, 1024, 2048, 4096, 8192], initial.get("seq_len", 2048), "sequence"),
             "lora_rank": dd([0, 4, 8, 16, 32, 64], initial.get("lora_rank", 8), "LoRA rank"),
             "dtype": dd(["bfloat16", "float32"], initial.get("dtype", "bfloat16"), "dtype"),
-            "remat": W.Checkbox(value=initial.get("remat", False), description="remat"),
+            "remat": dd(["none", "dots", "full"], self.plan_mod.remat_mode(initial.get("remat", "none")), "remat"),
         }
         self.out = W.Output()
         for c in self.controls.values():
@@ -112,7 +112,7 @@ class MemoryExplorer:
         self._quiet = True
         try:
             for k, v in settings.items():
-                self.controls[k].value = v
+                self.controls[k].value = self.plan_mod.remat_mode(v) if k == "remat" else v
         finally:
             self._quiet = False
         self._refresh()
@@ -133,10 +133,10 @@ class MemoryExplorer:
                 return
             self.last = p
             g = p["per_device_gb"]
-            act = "activations_remat" if s["remat"] else "activations"
-            parts = {"weights": g["weights"], "LoRA": g["lora"], "optimizer": g["optimizer"],
-                     "gradients": g["gradients"], "activations" + (" (remat)" if s["remat"] else ""): g[act]}
-            total = p["total_gb_remat"] if s["remat"] else p["total_gb"]
+            key = self.plan_mod.remat_key(s["remat"])
+            parts = {"weights": g["weights"], "LoRA": g["lora"], "optimizer": g["optimizer"], "gradients":
+                     g["gradients"], "activations" + (f" (remat {s['remat']})" if key else ""): g["activations" + key]}
+            total = p["total_gb" + key]
             self.text = (f"{s['model']}: {p['params'] / 1e9:.2f}B parameters, {p['mode']}, mesh "
                          + ",".join(f"{a}={n}" for a, n in p["mesh"].items() if n > 1)
                          + f", {p['batch_per_device']} sequence(s) per device; total {total:.1f} GB of "

@@ -30,6 +30,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from amdllm.config import LlamaConfig
 import amdllm.model.llama as llama
@@ -81,7 +82,7 @@ def project_group(p: dict, key: str, x, lora: LoRA, fuse: bool, joined: bool = F
                 d = lora_delta(x2, p[n + "_lora_a"], p[n + "_lora_b"], lora.scale, lora.dropout, r)
                 y = y.at[:, start:start + size].add(d.astype(y.dtype))
             start += size
-    y = y.reshape(*x.shape[:-1], y.shape[-1])
+    y = checkpoint_name(y.reshape(*x.shape[:-1], y.shape[-1]), llama.PROJECTION_OUTPUT)
     if joined:
         return y
     return jnp.split(y, np.cumsum(sizes[:-1]).tolist(), axis=-1)

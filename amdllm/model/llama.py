@@ -15,6 +15,9 @@ Layout choices (and why):
     them to mesh axes with one rules table.
   * A projection is dense, dense + LoRA (`<name>_lora_a/_lora_b` params) or packed int4/int8 (a dict
     dequantized inside the jitted step): `layers.linear` serves all three.
+  * `Run.remat` says what each layer keeps for the backward pass: everything autodiff needs ("none"), the
+    projections' outputs, named PROJECTION_OUTPUT, recomputing norms, RoPE, attention and SwiGLU ("dots"),
+    or only its input ("full").
 The faster versions of a block's parts (fused projections, blocked attention, custom backward passes,
 per-layer decoding) are in `amdllm.model.fast`, tested equal to the ones here.
 """
@@ -27,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from amdllm.config import LlamaConfig
 from amdllm.model.attention import attention, cached_attention
@@ -75,7 +79,7 @@ class Run:
     sharding of the [B, T, D] hidden states on a mesh (without it XLA may split activations like FSDP's
     weights and keep whole batches on every device)."""
     dtype: Any = jnp.float32
-    remat: bool = False
+    remat: bool | str = False  # one of REMAT: "none" (False), "dots" or "full" (True); see `forward`
     lora_scale: float = 0.0
     lora_dropout: float = 0.0
     act_sharding: Any = None
@@ -100,7 +104,23 @@ class LoRA(NamedTuple):
 def project(p: dict, name: str, x, lora: LoRA = LoRA()):
     """Layer p's projection `name` applied to x, with its LoRA factors if it has them."""
     rng = None if lora.rng is None else jax.random.fold_in(lora.rng, PROJECTIONS.index(name))
-    return linear(x, p[name], p.get(name + "_lora_a"), p.get(name + "_lora_b"), lora.scale, lora.dropout, rng)
+    y = linear(x, p[name], p.get(name + "_lora_a"), p.get(name + "_lora_b"), lora.scale, lora.dropout, rng)
+    return checkpoint_name(y, PROJECTION_OUTPUT)
+
+
+PROJECTION_OUTPUT = "proj"  # the name remat="dots" keeps: each projection's output, its LoRA delta added
+REMAT = ("none", "dots", "full")
+
+
+def remat_mode(remat) -> str:
+    """A Run's remat as one of REMAT (False or None: "none"; True: "full")."""
+    if remat is None or remat is False:
+        return "none"
+    if remat is True:
+        return "full"
+    if remat not in REMAT:
+        raise ValueError(f"remat must be one of {', '.join(REMAT)}, got {remat!r}")
+    return remat
 
 
 TEXTBOOK = Kernels(
@@ -180,8 +200,12 @@ def forward(cfg: LlamaConfig, top: dict, layers: dict, tokens, *, positions=None
                       lora=LoRA(run.lora_scale, run.lora_dropout, rng), kernels=kernels)
         return constrain(x, run.act_sharding), kv
 
-    if run.remat:  # keep each layer's input only; recompute the rest in the backward pass
+    mode = remat_mode(run.remat)
+    if mode == "full":  # keep each layer's input only; recompute the rest in the backward pass
         layer = jax.checkpoint(layer, prevent_cse=False)
+    elif mode == "dots":  # keep the projections' outputs; recompute norms, RoPE, attention, SwiGLU, LoRA's x A
+        layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.save_only_these_names(PROJECTION_OUTPUT),
+                               prevent_cse=False)
     elif kernels.checkpoint is not None:
         layer = kernels.checkpoint(layer)
     kvs = None if cache is None else (cache.k, cache.v)
@@ -199,7 +223,7 @@ class Llama(nnx.Module):
     """The parameters (stacked, with logical axes) and how to run them; `model(tokens)` is `forward`."""
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32,
-                 dtype=jnp.float32, remat: bool = False):
+                 dtype=jnp.float32, remat: bool | str = False):
         self.cfg = cfg
         self.dtype = jnp.dtype(dtype)  # compute dtype
         self.remat = remat

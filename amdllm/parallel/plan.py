@@ -23,8 +23,10 @@ Memory per device, by part (GB = 1e9 bytes, as accelerator vendors count):
                 XLA keeps two more F-wide tensors: 5F, measured); each attention row's float32
                 max and normaliser: `attention.causal_attention` recomputes the probabilities in the
                 backward instead of keeping H*S of them per token), times L layers. With remat
-                (jax.checkpoint per layer) only each layer's input b*D is kept, plus one layer
-                recomputed at a time. The head adds float32 logits and log-probabilities: 8V.
+                "full" (jax.checkpoint per layer) only each layer's input b*D is kept, plus one layer
+                recomputed at a time; with remat "dots" also the projections' outputs
+                b*(q + 2kv + D + 2F) (q, k, v, o, gate, up; down's output is not needed by the backward).
+                The head adds float32 logits and log-probabilities: 8V.
                 Inference (no gradient) holds one layer at a time: float32 scores 4*H*S, the layer's
                 input and projections b*(D + q + 2kv + F), and float32 logits 4V.
   * in flight   the weights a layer's matmuls use at once: under FSDP each device gathers the layer whole
@@ -61,6 +63,7 @@ import jax.numpy as jnp
 
 from amdllm.cpu import has_bf16_dots
 from amdllm.model import PROJECTIONS, param_table
+from amdllm.model.llama import REMAT, remat_mode
 from amdllm.model.quantized import check_bits, group_count, packed_logical_axes
 from amdllm.model.lora import normalize_targets
 import amdllm.parallel.sharding as S
@@ -205,8 +208,9 @@ def device_memory(device=None) -> tuple[float, str]:
 
 
 def activation_bytes(cfg, *, batch_per_device: float, seq_len: int, tensor: int = 1, dtype="bfloat16",
-                     remat: bool = False, training: bool = True, mlp_lora: bool = False) -> int:
-    """Activation memory on one device (formula in the module docstring)."""
+                     remat: bool | str = False, training: bool = True, mlp_lora: bool = False) -> int:
+    """Activation memory on one device (formula in the module docstring); remat: one of `llama.REMAT`
+    (False: "none", True: "full")."""
     b, D, F, L = _bytes(dtype), cfg.hidden_size, cfg.intermediate_size / tensor, cfg.num_hidden_layers
     q, kv, H, V = cfg.q_dim / tensor, cfg.kv_dim / tensor, cfg.num_attention_heads / tensor, cfg.vocab_size
     tokens = batch_per_device * seq_len
@@ -214,7 +218,8 @@ def activation_bytes(cfg, *, batch_per_device: float, seq_len: int, tensor: int 
     head = 8 * V / tensor  # float32 logits + log-softmax
     if not training:  # one layer live at a time, nothing kept for a backward pass
         return int(tokens * (4 * H * seq_len + b * (D + q + 2 * kv + F) + 4 * V / tensor))
-    kept = L * b * D + layer if remat else L * layer
+    projections = b * (q + 2 * kv + D + 2 * F)  # remat="dots": q, k, v, o, gate, up outputs (down's is unused)
+    kept = {"none": L * layer, "dots": L * (b * D + projections) + layer, "full": L * b * D + layer}[remat_mode(remat)]
     return int(tokens * (kept + head))
 
 
@@ -259,14 +264,15 @@ def plan(cfg, *, devices: int, device_memory_gb: float, mesh: str | dict | None 
     cpu_narrow = training and accelerator == "cpu" and wb < 4  # XLA:CPU runs a narrow dtype in float32
     act = {r: activation_bytes(cfg, batch_per_device=bpd, seq_len=seq_len, tensor=tensor,
                                dtype="float32" if cpu_narrow else dtype, remat=r, training=training,
-                               mlp_lora=mlp_lora) for r in (False, True)}
+                               mlp_lora=mlp_lora) for r in (False, "dots", True)}
     layer = sum(math.prod(shape[1:]) for name, (shape, _) in param_table(cfg).items() if name.startswith("layers/"))
     gathered = any(sizes[a] > 1 for a in table.get("embed", ()))  # FSDP: a layer is gathered to be used
     in_flight = int((IN_FLIGHT_LAYERS if training else float(gathered)) * layer * wb / tensor)
     if cpu_narrow:  # float32 copies of the widened weights (docstring)
         in_flight = int(CPU_NARROW_IN_FLIGHT_LAYERS * layer * 4 / tensor)
     parts = {"weights": weights, "lora": 4 * lora_n, "optimizer": opt, "gradients": grads if training else 0,
-             "in_flight": in_flight, "activations": act[False], "activations_remat": act[True]}
+             "in_flight": in_flight, "activations": act[False], "activations_dots": act["dots"],
+             "activations_remat": act[True]}
     static = weights + parts["lora"] + opt + parts["gradients"] + in_flight
     cap = device_memory_gb * GB
     fl = flops_per_token(cfg, seq_len, lora_rank, lora_targets)
@@ -282,12 +288,14 @@ def plan(cfg, *, devices: int, device_memory_gb: float, mesh: str | dict | None 
         "weights_bytes_total": weight_bytes(cfg, {a: 1 for a in S.MESH_AXES}, rules, dtype, bits, group_size),
         "bits": bits, "group_size": group_size if bits else None,
         "per_device_bytes": parts, "per_device_gb": {k: v / GB for k, v in parts.items()},
-        "total_bytes": static + act[False], "total_bytes_remat": static + act[True],
-        "device_memory_gb": device_memory_gb,
-        "fits": static + act[False] <= cap, "fits_remat": static + act[True] <= cap,
+        "total_bytes": static + act[False], "total_bytes_dots": static + act["dots"],
+        "total_bytes_remat": static + act[True], "device_memory_gb": device_memory_gb,
+        "fits": static + act[False] <= cap, "fits_dots": static + act["dots"] <= cap,
+        "fits_remat": static + act[True] <= cap,
         "flops_per_token": fl,
     }
-    out["total_gb"], out["total_gb_remat"] = out["total_bytes"] / GB, out["total_bytes_remat"] / GB
+    for k in ("", "_dots", "_remat"):
+        out["total_gb" + k] = out["total_bytes" + k] / GB
     if tokens_per_s is not None and accelerator:
         pk = peak_flops(accelerator)
         key = "lora_train" if lora_rank else ("full_train" if full_finetune else "forward")
@@ -297,7 +305,22 @@ def plan(cfg, *, devices: int, device_memory_gb: float, mesh: str | dict | None 
     return out
 
 
-def fewest_devices(cfg, device_memory_gb: float, *, remat: bool = False, most: int = 1024, **shape) -> int | None:
+REMAT_KEYS = {"none": "", "dots": "_dots", "full": "_remat"}  # plan()'s key suffixes: total_bytes_dots, fits_remat
+
+
+def remat_key(remat) -> str:
+    """The suffix of plan()'s totals for a remat mode (False/"none": "", "dots": "_dots", True/"full": "_remat")."""
+    return REMAT_KEYS[remat_mode(remat)]
+
+
+def least_remat(p: dict) -> str | None:
+    """The remat mode that recomputes least among those with which plan `p` fits ("none", "dots", "full"),
+    or None if none does."""
+    return next((m for m in REMAT if p["fits" + REMAT_KEYS[m]]), None)
+
+
+def fewest_devices(cfg, device_memory_gb: float, *, remat: bool | str = False, most: int = 1024,
+                   **shape) -> int | None:
     """The fewest devices N on which a run fits, on an fsdp=N mesh (the model must split N ways), with
     `shape` plan()'s other keywords (rank, batch, seq_len, dtype, bits, ...). None if none up to `most`."""
     for n in range(1, most + 1):
@@ -305,7 +328,7 @@ def fewest_devices(cfg, device_memory_gb: float, *, remat: bool = False, most: i
             p = plan(cfg, devices=n, device_memory_gb=device_memory_gb, mesh=f"fsdp={n}", **shape)
         except S.ShardingError:  # the model does not split n ways
             continue
-        if p["fits_remat" if remat else "fits"]:
+        if p["fits" + remat_key(remat)]:
             return n
     return None
 
@@ -317,11 +340,11 @@ def format_plan(p: dict) -> str:
     lines = [f"{p['params'] / 1e9:.2f}B parameters ({p['weights_bytes_total'] / GB:.1f} GB in {held}), "
              f"{p['mode']}, mesh {mesh}, rules {p['rules']}, batch {p['batch_size']} x {p['seq_len']} tokens",
              f"per device ({p['device_memory_gb']:g} GB):"]
-    for k in ("weights", "lora", "optimizer", "gradients", "in_flight", "activations", "activations_remat"):
+    for k in ("weights", "lora", "optimizer", "gradients", "in_flight", "activations", "activations_dots",
+              "activations_remat"):
         lines.append(f"  {k:<18} {g[k]:10.3f} GB")
-    lines.append(f"  {'total':<18} {p['total_gb']:10.3f} GB  -> {'fits' if p['fits'] else 'does NOT fit'}")
-    lines.append(f"  {'total with remat':<18} {p['total_gb_remat']:10.3f} GB  -> "
-                 f"{'fits' if p['fits_remat'] else 'does NOT fit'}")
+    for label, k in (("total", ""), ("with remat dots", "_dots"), ("with remat full", "_remat")):
+        lines.append(f"  {label:<18} {p['total_gb' + k]:10.3f} GB  -> {'fits' if p['fits' + k] else 'does NOT fit'}")
     if p["optimizer"]:
         lines.append(f"optimizer: {p['optimizer']}")
     f = p["flops_per_token"]
