@@ -237,7 +237,8 @@ def test_cli_finetune_writes_peft_adapter_metrics_and_merged_checkpoint(tmp_path
     between = (planned["total_bytes"] + planned["total_bytes_dots"]) / 2 / 1e9  # fits only with --remat dots
     rc = cli.main(["finetune", "--model", str(ckpt), "--data", str(tmp_path / "d.jsonl"), "--out",
                    str(tmp_path / "nofit"), "--device-memory", f"{between:.6f}", "--dtype", "float32", "--rank", "4",
-                   "--targets", "q,v,down", "--batch-size", "4", "--seq-len", "64", "--mesh", "fsdp=1", "--no-progress"])
+                   "--targets", "q,v,down", "--batch-size", "4", "--seq-len", "64", "--mesh", "fsdp=1",
+                   "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 2 and "--remat dots would fit" in err and not (tmp_path / "nofit").exists(), err
     tokens = torch.tensor(np.random.default_rng(0).integers(3, 1152, (2, 10)))
