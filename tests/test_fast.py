@@ -272,23 +272,31 @@ def bf16_dot_count(fn, *args) -> int:
     return count(jax.make_jaxpr(fn)(*args).jaxpr)
 
 
+def bits_step_inputs(m, T: int = 64):
+    """(LoRA factors, the frozen base with its narrow weights as `Bits`, a [2, T] batch): what `loss_fn`
+    takes for model m, as `finetune` hands them to the step on a CPU."""
+    from amdllm.train.step import split_params
+    trained, frozen = split_params(m)
+    top, layers = narrow.inference_weights({k: v for k, v in frozen.items() if k != "layers"}, frozen["layers"])
+    toks = tokens(2, T) % m.cfg.vocab_size
+    batch = {"tokens": toks, "targets": jnp.roll(toks, -1, 1), "positions": jnp.broadcast_to(jnp.arange(T), (2, T)),
+             "segment_ids": jnp.ones_like(toks), "weights": jnp.ones(toks.shape, jnp.float32)}
+    return trained, {**top, "layers": layers}, batch
+
+
 def test_lora_step_on_a_bf16_base_multiplies_in_bf16_where_the_cpu_can(monkeypatch):
     """With bf16 dots (a CPU with AVX-512 BF16 or AMX: `amdllm.cpu.has_bf16_dots`), the frozen bf16 base's
     projections and head run as bf16 x bf16 -> float32 dots, forward and backward, and give the loss and
     LoRA gradients of the widening path (to bf16 rounding: dy is rounded to bf16 as PyTorch's does).
     Decoding's one-row matmuls keep widening (slower as bf16 dots on XLA:CPU)."""
-    from amdllm.train.step import loss_fn, split_params
+    from amdllm.train.step import loss_fn
     m = lora.apply_lora(bf16_model(dataclasses.replace(BIG, num_hidden_layers=2)), rank=4, alpha=8)
     key = jax.random.key(3)
     for i, name in enumerate(lora.lora_targets(m)):
         var = getattr(m.layers, name + "_lora_b")
         var.value = 0.05 * jax.random.normal(jax.random.fold_in(key, i), var.shape)
-    trained, frozen = split_params(m)
-    top, layers = narrow.inference_weights({k: v for k, v in frozen.items() if k != "layers"}, frozen["layers"])
-    frozen = {**top, "layers": layers}
-    toks = tokens(2, 64) % BIG.vocab_size
-    batch = {"tokens": toks, "targets": jnp.roll(toks, -1, 1), "positions": jnp.broadcast_to(jnp.arange(64), (2, 64)),
-             "segment_ids": jnp.ones_like(toks), "weights": jnp.ones(toks.shape, jnp.float32)}
+    trained, frozen, batch = bits_step_inputs(m)
+    layers = frozen["layers"]
     results, counts = {}, {}
     for on in (False, True):
         monkeypatch.setattr(narrow, "has_bf16_dots", lambda on=on: on)
@@ -312,15 +320,10 @@ def test_a_bf16_base_hands_its_residuals_to_the_backward_as_bits(monkeypatch):
     """The layer scan stacks each layer's residuals per layer; XLA:CPU widened a bf16 stack to float32 and back
     to write each layer's slice (1B LoRA step: about 1.1 of 9.5 s). `narrow.keep_bits` hands them over as
     uint16: the same loss and LoRA gradients, bit for bit, and no float32 conversion of a stacked buffer."""
-    from amdllm.train.step import loss_fn, split_params
+    from amdllm.train.step import loss_fn
     cfg = dataclasses.replace(BIG, num_hidden_layers=3)
     m = lora.apply_lora(bf16_model(cfg), rank=4, alpha=8)
-    trained, frozen = split_params(m)
-    top, layers = narrow.inference_weights({k: v for k, v in frozen.items() if k != "layers"}, frozen["layers"])
-    frozen = {**top, "layers": layers}
-    toks = tokens(2, 64) % cfg.vocab_size
-    batch = {"tokens": toks, "targets": jnp.roll(toks, -1, 1), "positions": jnp.broadcast_to(jnp.arange(64), (2, 64)),
-             "segment_ids": jnp.ones_like(toks), "weights": jnp.ones(toks.shape, jnp.float32)}
+    trained, frozen, batch = bits_step_inputs(m)
     grad = jax.jit(jax.value_and_grad(lambda t: loss_fn(t, frozen, batch, model=m)))
     widened_stack = rf"= f32\[{cfg.num_hidden_layers},[^ ]* convert\(%param"  # inside a fusion
     got, hlo = grad(trained), grad.lower(trained).compile().as_text()

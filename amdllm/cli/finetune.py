@@ -19,7 +19,7 @@ from amdllm.files import atomic_write_text, check_output_dir
 from amdllm.io.templates import TEMPLATE_FILE, use_chat_template
 from amdllm.io.tokenizer import load_tokenizer
 from amdllm.model import lora as lora_mod
-from amdllm.parallel.plan import GB, REMAT_KEYS, device_memory
+from amdllm.parallel.plan import GB, device_memory, least_remat, remat_key
 from amdllm.parallel.plan import plan as plan_run
 from amdllm.parallel.sharding import make_mesh, placement
 from amdllm.train import data as data_mod
@@ -144,27 +144,24 @@ def check_plan(args, cfg, mesh, dtype: str, quant: dict | None) -> tuple[int, st
     """(the planner's per-device bytes for this run, its remat mode: --remat auto becomes the least recompute
     that fits); a run the plan says cannot fit is refused before any weight is read. quant: a GPTQ base's
     quantization config (QLoRA: the packed bytes are planned)."""
-    sizes = None if mesh is None else dict(mesh.shape)
-    p = plan_run(cfg, devices=1 if mesh is None else mesh.size, device_memory_gb=1.0, mesh=sizes,
-                 rules=args.rules, lora_rank=args.rank, lora_targets=tuple(args.targets.split(",")),
-                 batch_size=args.batch_size, seq_len=args.seq_len, dtype=dtype,
-                 accelerator="cpu" if jax.default_backend() == "cpu" else None,
-                 bits=quant and quant["bits"], group_size=quant["group_size"] if quant else 128)
     if args.device_memory is not None:
         have, where = args.device_memory * GB, "--device-memory"
     else:
         have, where = device_memory()
-    fits = {m: p["total_bytes" + k] <= have for m, k in REMAT_KEYS.items()}
-    remat = args.remat
-    if remat == "auto":
-        remat = next((m for m in fits if fits[m]), "full")
-    need = p["total_bytes" + REMAT_KEYS[remat]]
-    if need > have:
-        lighter = [m for m in list(fits)[list(fits).index(remat) + 1:] if fits[m]]
-        hint = f"--remat {lighter[0]} would fit; " if lighter else ""
-        kept = "activations" + REMAT_KEYS[remat]
+    sizes = None if mesh is None else dict(mesh.shape)
+    p = plan_run(cfg, devices=1 if mesh is None else mesh.size, device_memory_gb=have / GB, mesh=sizes,
+                 rules=args.rules, lora_rank=args.rank, lora_targets=tuple(args.targets.split(",")),
+                 batch_size=args.batch_size, seq_len=args.seq_len, dtype=dtype,
+                 accelerator="cpu" if jax.default_backend() == "cpu" else None,
+                 bits=quant and quant["bits"], group_size=quant["group_size"] if quant else 128)
+    remat = (least_remat(p) or "full") if args.remat == "auto" else args.remat
+    key = remat_key(remat)
+    need = p["total_bytes" + key]
+    if not p["fits" + key]:
+        lighter = least_remat(p)  # what fits keeps less than what does not: a later mode of REMAT
+        hint = f"--remat {lighter} would fit; " if lighter else ""
         parts = ", ".join(f"{k} {v:.2f}" for k, v in p["per_device_gb"].items()
-                          if v and (k == kept or not k.startswith("activations")))
+                          if v and (k == "activations" + key or not k.startswith("activations")))
         raise ValueError(f"the plan needs {need / GB:.2f} GB per device ({parts}) and a device has "
                          f"{have / GB:.2f} GB ({where}): {hint}use more devices, a smaller --batch-size or "
                          "--seq-len, or --device-memory if that figure is wrong (`amdllm plan` takes the same "
