@@ -6,12 +6,13 @@ parameters, vocabulary 128256, tied embeddings, Llama 3 RoPE scaling), with the 
 use only the first rows of the vocabulary; tokenization is not what is measured). Then:
 
   eval bf16 / fp32    `amdllm eval --dtype D`        vs transformers, the same protocol (docs/cli.md)
-  generate f32 / bf16 `amdllm generate --dtype D`, 64 tokens   vs transformers' greedy `generate` in its
-                      faster dtype here (both are run); steady decode rates, prefill excluded on both sides
+  generate            `amdllm generate`, 64 tokens, at its default (--dtype auto) and in float32   vs
+                      transformers' greedy `generate` in its faster dtype here (both are run); steady decode
+                      rates, prefill excluded on both sides
   quantize            `amdllm quantize` 4-bit g128, 16 x 256 calibration   vs GPTQModel (when installed)
   finetune            `amdllm finetune`, 4 steps, batch 1 x 256, r8, at its default (the checkpoint's bf16) and
                       in float32     vs peft + torch AdamW in its faster dtype here (both are run)
-  serve f32 / bf16    `amdllm serve --dtype D` start, then warm chat requests of 1 and 33 tokens: the time
+  serve               `amdllm serve` (auto, float32) start, then warm chat requests of 1 and 33 tokens: the time
                       per decoded token is their difference over 32 (compare generate's)   (no peer)
   convert             `amdllm convert` to float16    vs transformers from_pretrained + save_pretrained
   convert 8B          `amdllm convert` of a Llama-3.1-8B-shaped bf16 checkpoint (16 GB, written here)
@@ -323,7 +324,7 @@ def main(argv=None) -> int:
             row(f"eval {dt} ({o.get('tokens')} tokens)", ours, peer, "transformers",
                 f"nll {o.get('nll', float('nan')):.5f} vs {t.get('nll', float('nan')):.5f}",
                 ours_bytes=nbytes * (2 if dt == "float32" else 1))
-    gen_rate = {}  # amdllm generate's steady tokens/s per dtype, for the serve rows
+    gen_rate, gen_dtype = {}, {}  # amdllm generate's steady tokens/s and chosen dtype per --dtype, for serve
     if "generate" in only:
         peers = {}
         for pdt in ("bfloat16", "float32"):  # transformers' faster dtype depends on the CPU (bf16 instructions)
@@ -331,18 +332,19 @@ def main(argv=None) -> int:
         rate = {d: last_json(p["stdout"]).get("steady_tokens_per_second", 0) for d, p in peers.items()}
         best = max(rate, key=rate.get)
         peer, t = peers[best], last_json(peers[best]["stdout"])
-        for dt in ("float32", "bfloat16"):  # float32: amdllm's default
+        for dt in ("auto", "float32"):  # auto: amdllm's default (it says what it chose)
             ours = measured(amdllm("generate", "--model", str(ck), "--prompt", PROMPT, "--max-new-tokens", "64",
                                    "--dtype", dt, "--json"))
             o = last_json(ours["stdout"])
             o = o[0] if isinstance(o, list) and o else o
-            gen_rate[dt] = o.get("tokens_per_second", 0)
-            row(f"generate 64 tokens {dt} (transformers {best}, its faster)", ours, peer, "transformers",
+            gen_rate[dt], gen_dtype[dt] = o.get("tokens_per_second", 0), o.get("dtype")
+            row(f"generate 64 tokens --dtype {dt} ({o.get('dtype')}; transformers {best}, its faster)", ours, peer,
+                "transformers",
                 f"steady {gen_rate[dt]:.2f} vs {t.get('steady_tokens_per_second', 0):.2f} tok/s "
                 f"({gen_rate[dt] / max(t.get('steady_tokens_per_second', 0), 1e-9):.2f}x; transformers "
                 f"bf16 {rate['bfloat16']:.2f}, float32 {rate['float32']:.2f}; its whole call, prefill included: "
                 f"{t.get('tokens_per_second', 0):.2f})",
-                ours_bytes=nbytes * (2 if dt == "float32" else 1))
+                ours_bytes=nbytes * (2 if o.get("dtype") == "float32" else 1))
     if "quantize" in only:
         q = work / "gptq4"
         shutil.rmtree(q, ignore_errors=True)
@@ -383,13 +385,14 @@ def main(argv=None) -> int:
                 f"step: bf16 {med['bfloat16']:.2f} s ({peers['bfloat16']['peak_rss_gb']} GB), float32 "
                 f"{med['float32']:.2f} s ({peers['float32']['peak_rss_gb']} GB))")
     if "serve" in only:
-        for dt in ("float32", "bfloat16"):  # float32: amdllm serve's default
+        for dt in ("auto", "float32"):  # auto: amdllm serve's default, as generate's
             ours = measured([sys.executable, str(Path(__file__).resolve()), "--serve-once", str(ck), dt])
             o = last_json(ours["stdout"])
             vs = (f"; {o['s_per_decoded_token'] * gen_rate[dt]:.2f}x generate's {1 / gen_rate[dt]:.4f} s a token"
                   if o.get("s_per_decoded_token") and gen_rate.get(dt) else "")
-            row(f"serve {dt}: start, warm requests of 1 and 33 tokens", ours, None, "none",
-                json.dumps(o) + vs, ours_bytes=nbytes * (2 if dt == "float32" else 1))
+            wide = gen_dtype.get(dt, dt) == "float32"  # what generate's --dtype chose; serve chooses alike
+            row(f"serve --dtype {dt}: start, warm requests of 1 and 33 tokens", ours, None, "none",
+                json.dumps(o) + vs, ours_bytes=nbytes * (2 if wide else 1))
     if "convert" in only:
         c, tc = work / "converted", work / "converted-hf"
         for d in (c, tc):

@@ -50,7 +50,8 @@ def test_eval_json_equals_transformers(ckpt, tmp_path, capfd):
     text.write_text(TEXT * 4)
     r = run_json(capfd, ["eval", "--model", str(d), "--text", str(text), "--seq-len", "32"])
     assert set(r) == {"perplexity", "nll", "tokens", "text", "protocol", "rule", "text_tokens", "windows",
-                      "window_tokens", "dropped_tokens"} and r["text"] == str(text)
+                      "window_tokens", "dropped_tokens", "dtype"} and r["text"] == str(text)
+    assert r["dtype"] == "float32"  # --dtype auto on a float32 checkpoint
     assert (r["protocol"], r["rule"], r["dropped_tokens"]) == ("amdllm", None, 0)  # the last window is kept
     ref = reference_perplexity(hf, tok(TEXT * 4)["input_ids"], 32)
     assert r["tokens"] == ref["tokens"]
@@ -99,7 +100,8 @@ def test_generate_json_equals_transformers(ckpt, capfd):
     d, hf, tok = ckpt
     prompt = "Once upon a time, there was"
     r = run_json(capfd, ["generate", "--model", str(d), "--prompt", prompt, "--max-new-tokens", "12"])
-    assert set(r) == {"text", "token_ids", "prompt_tokens", "new_tokens", "tokens_per_second"}
+    assert set(r) == {"text", "token_ids", "prompt_tokens", "new_tokens", "tokens_per_second", "dtype"}
+    assert r["dtype"] == "float32"  # --dtype auto on a float32 checkpoint
     ids = tok(prompt)["input_ids"]
     assert r["prompt_tokens"] == len(ids) and ids[0] == tok.bos_token_id
     ref = hf_greedy(hf, [ids], 12, eos=tok.eos_token_id, pad=tok.pad_token_id)[0]

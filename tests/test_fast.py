@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 from amdllm.config import LlamaConfig
+from amdllm import native
 from amdllm.model import fast, llama, lora, narrow
 from amdllm.model.llama import Llama, Run, logit_tolerance, to_pure
 from amdllm.quant import QuantSpec, quantize_model
@@ -146,7 +147,12 @@ def test_bits_share_memory_and_read_back_exactly():
     assert b.bits.unsafe_buffer_pointer() == layers["gate_proj"].unsafe_buffer_pointer()  # no copy
     assert not isinstance(btop["norm"], narrow.Bits)  # norms stay arrays
     np.testing.assert_array_equal(np.asarray(b.value()), np.asarray(layers["gate_proj"]))
-    assert fast.layer_views(blayers) is None  # decoding scans the bits (one layer widened at a time)
+    # decoding: per-layer views of the bits where the native kernel reads them (a few rows); else the scan
+    # (one layer widened at a time)
+    views = fast.layer_views(blayers, rows=1)
+    assert views is not None and views[1]["gate_proj"].bits.unsafe_buffer_pointer() == (
+        b.bits.unsafe_buffer_pointer() + b.bits[0].size * 2)
+    assert fast.layer_views(blayers, rows=9) is None
 
 
 def test_evaluation_of_narrow_weights_widens_one_layer_at_a_time():
@@ -216,6 +222,7 @@ def test_decode_step_widens_one_kernel_at_a_time(monkeypatch):
     matmul's input and `Bits.after` after the previous projection's output: the scratch is then below half
     the layer's kernels in float32 (and above all of them without it: what this fixes)."""
     from amdllm.infer import generate as gen
+    monkeypatch.setattr(native, "available", lambda: False)  # XLA's way (with the kernel nothing is widened)
     m = bf16_model(dataclasses.replace(BIG, intermediate_size=2048, vocab_size=256))
     top, layers = narrow.inference_weights(*to_pure(m))
     layer_f32 = sum(a.bits[0].size * 4 for a in layers.values() if a.bits.ndim == 3)

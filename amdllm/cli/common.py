@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from amdllm.course import default_model_dir
-from amdllm.infer.generate import DTYPES
+from amdllm.infer.generate import DTYPE_CHOICES
 from amdllm.parallel.sharding import DEFAULT_RULES, RULES
 
 
@@ -42,7 +42,7 @@ def add_model_args(p: argparse.ArgumentParser, dtype: bool = True) -> None:
     add_pickle_arg(p)
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     if dtype:
-        p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+        p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
 
 
 def count(minimum: int = 1):

@@ -4,6 +4,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
+
 from amdllm.cli.common import add_model_args, count, emit, model_dir
 from amdllm.cli.datasets import add_dataset_args, read_dataset
 from amdllm.config import LlamaConfig
@@ -63,8 +65,10 @@ def run(args) -> int:
     # checkpoint has a tokenizer.json: the same ids as transformers, without its import (and torch's)
     wins, report = eval_windows(texts, encoder(path), args.seq_len, args.protocol, rule)
     mesh = None if args.mesh is None else make_mesh(args.mesh, cfg=LlamaConfig.from_json(path), rules=args.rules)
-    model = load_weights(path, args.adapter, args.dtype, args.allow_pickle, mesh=mesh, rules=args.rules)
-    r = {**perplexity_of_windows(model, wins, batch_size=args.batch_size), **source, **report}
+    model = load_weights(path, args.adapter, args.dtype, args.allow_pickle, mesh=mesh, rules=args.rules,
+                         decoding=False)
+    r = {**perplexity_of_windows(model, wins, batch_size=args.batch_size), **source, **report,
+         "dtype": str(jnp.dtype(model.dtype))}  # what --dtype (auto by default) chose
     emit(r, args.json, f"perplexity {r['perplexity']:.4f}  (nll {r['nll']:.4f} over {r['tokens']} "
-                       f"tokens of {what}, seq_len {args.seq_len}, {args.protocol} protocol)")
+                       f"tokens of {what}, seq_len {args.seq_len}, {args.protocol} protocol, {r['dtype']})")
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 import sys
 
 from amdllm.cli.common import add_pickle_arg, count, model_dir, number
+from amdllm.infer.generate import DTYPE_CHOICES
 from amdllm.infer.http import listen_socket, server_config, socket_url
 from amdllm.infer.serve import build
 
@@ -24,7 +25,7 @@ def add_cli(sub) -> None:
     p.add_argument("--max-context", type=count(2), default=None,
                    help="cache length per request (default: the model's context, at most 4096)")
     p.add_argument("--model-name", default=None, help="the id in /v1/models (default: the directory name)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
     p.add_argument("--request-timeout", type=number(0, above=True), default=None,
                    help="seconds a client has to send a whole request, from its first byte (default 30); "
                         "a connection that sends nothing or trickles is closed")

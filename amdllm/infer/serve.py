@@ -253,7 +253,7 @@ class ServerHandle:
         self.stop()
 
 
-def build(model=None, tokenizer=None, *, model_dir=None, adapter=None, dtype="float32", max_batch=8,
+def build(model=None, tokenizer=None, *, model_dir=None, adapter=None, dtype="auto", max_batch=8,
           max_len=None, api_key=None, max_tokens_cap=512, model_name=None, warmup=True, allow_pickle=False,
           chat_template=None):
     """(app, engine): load the model from `model_dir` (with `adapter`) unless given, start the engine.

@@ -37,7 +37,8 @@ import amdllm.model.llama as llama
 from amdllm.model.attention import _scores, library_attention
 from amdllm.model.layers import lora_delta, rms_norm
 from amdllm.model.llama import KVCache, Kernels, LoRA, Run, block, embed, project
-from amdllm.model.narrow import Bits, bf16_dots_for, fence, has_bits, head_blocked, keep_bits, lookup
+from amdllm.model.narrow import (Bits, bf16_dots_for, fence, has_bits, head_blocked, keep_bits, lookup,
+                                 native_decodes, native_rows_for)
 
 FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
 FUSE_MIN_ROWS = 64  # below this (decoding), copying the kernels costs more than fewer matmuls save
@@ -60,7 +61,7 @@ def project_group(p: dict, key: str, x, lora: LoRA, fuse: bool, joined: bool = F
         x2 = x.reshape(-1, x.shape[-1])
         outs = []
         for n in names:  # narrow kernels as bits: each widened after the one before it is used
-            widened = isinstance(p[n], Bits) and not bf16_dots_for(p[n], rows)
+            widened = isinstance(p[n], Bits) and not (bf16_dots_for(p[n], rows) or native_rows_for(p[n], rows))
             q = {**p, n: p[n].after(outs[-1])} if outs and widened else p
             outs.append(project(q, n, x2, lora))
         return [o.reshape(*x.shape[:-1], o.shape[-1]) for o in outs]
@@ -297,16 +298,21 @@ def split_cache(cache: KVCache) -> KVCache:
     return KVCache(tuple(cache.k[i] for i in range(L)), tuple(cache.v[i] for i in range(L)), cache.valid)
 
 
-def layer_views(layers: dict) -> list[dict] | None:
-    """Stacked layer weights [L, ...] as L per-layer dicts that share their memory, or None.
+def layer_views(layers: dict, rows: int = 1) -> list[dict] | None:
+    """Stacked layer weights [L, ...] as L per-layer dicts that share their memory, or None; for a decode
+    step of `rows` rows.
 
     On the CPU, `jax.device_put` of a numpy view of an array's buffer makes no copy, and we check that it
     did not. None where that does not hold (an accelerator, a sharded array, a copy made): the decode
-    step then scans the stacked weights."""
+    step then scans the stacked weights. Narrow weights (`Bits`) are viewed only where every kernel runs
+    in the native kernel at this many rows (`narrow.native_rows_for`): unrolled, XLA would widen every
+    layer's bits up front, where the scan widens one at a time."""
     if jax.default_backend() != "cpu":
         return None
     if has_bits(layers):
-        return None  # unrolled, XLA would widen every layer's bits up front; the scan widens one at a time
+        stacked = [a for a in jax.tree.leaves(layers, is_leaf=lambda a: isinstance(a, Bits)) if isinstance(a, Bits)]
+        if not all(native_decodes(a.dtype, rows) for a in stacked if a.bits.ndim == 3):  # the kernels
+            return None
     leaves, treedef = jax.tree.flatten(layers)
     if not leaves or any(not isinstance(a, jax.Array) or len(a.sharding.device_set) != 1 for a in leaves):
         return None

@@ -1,0 +1,243 @@
+// A few rows of float32 activations times a bfloat16 weight matrix, reading the weights as they lie.
+//
+// Why: decoding multiplies one row (or a few) by every weight matrix, so its speed is the rate at which
+// the weights are read. XLA:CPU has no fast bf16 matrix-vector product (1.1-2.2 GB/s of weights on a
+// 2-core Xeon with AVX-512 BF16, against 20 GB/s for float32), so bf16 weights were widened to float32
+// first, a copy per layer per token. Here each bf16 weight is widened in a register on its way into a
+// float32 fused multiply-add: half the bytes of a float32 product, and the same sums (bf16 -> f32 is exact).
+//
+// Two layouts, both [rows of x] x K -> N:
+//   bf16_rows_kn: W [K, N] (amdllm's [in, out] kernels). Each thread takes a contiguous band of W's rows
+//                 and keeps its own [M, N] partial sums, so every thread streams its memory in order.
+//   bf16_rows_nk: W [N, K] (a tied head's embedding table [V, D]). Each thread takes a band of W's rows;
+//                 one dot product per row.
+// The threads are XLA's own intra-op pool (the FFI's ThreadPool); the calling thread works too.
+// Built by amdllm/native/__init__.py with the host compiler (-O3 -march=native); the loops are written
+// so that the compiler vectorizes them (16 float32 lanes with AVX-512, 8 with AVX2).
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+constexpr int64_t kMaxRows = 8;  // amdllm/native/__init__.py MAX_ROWS
+constexpr int64_t kColumns = 512;  // columns of 4 widened rows staged at once (8 KB: L1)
+
+static inline float widen(uint16_t b) {
+  const uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// y[1, N] += x[k0:k1] . W[k0:k1, N]: eight rows of W at a time straight into the sums, no staging.
+static void kn_one(const float* x, const uint16_t* w, float* y, int64_t N, int64_t k0, int64_t k1) {
+  int64_t k = k0;
+  for (; k + 8 <= k1; k += 8) {
+    const uint16_t* r = w + k * N;
+    const uint16_t* next = r + 8 * N;  // the next eight rows, fetched while these are multiplied
+    const bool ahead = k + 16 <= k1;
+    const float* a = x + k;
+    for (int64_t j0 = 0; j0 < N; j0 += 32) {
+      if (ahead)
+        for (int i = 0; i < 8; ++i) __builtin_prefetch(next + i * N + j0);
+      const int64_t j1 = std::min(N, j0 + 32);
+      for (int64_t j = j0; j < j1; ++j)
+        y[j] += ((a[0] * widen(r[j]) + a[1] * widen(r[N + j])) +
+                 (a[2] * widen(r[2 * N + j]) + a[3] * widen(r[3 * N + j]))) +
+                ((a[4] * widen(r[4 * N + j]) + a[5] * widen(r[5 * N + j])) +
+                 (a[6] * widen(r[6 * N + j]) + a[7] * widen(r[7 * N + j])));
+    }
+  }
+  for (; k < k1; ++k) {
+    const uint16_t* r = w + k * N;
+    for (int64_t j = 0; j < N; ++j) y[j] += x[k] * widen(r[j]);
+  }
+}
+
+// y[M, N] += x[M, k0:k1] @ W[k0:k1, N] for 2 <= M: four rows of W widened once into L1, used by all M rows.
+template <int M>
+static void kn_rows(const float* x, const uint16_t* w, float* y, int64_t K, int64_t N, int64_t k0, int64_t k1) {
+  alignas(64) float wf[4][kColumns];
+  for (int64_t k = k0; k < k1; k += 4) {
+    const int64_t rows = std::min<int64_t>(4, k1 - k);
+    float a[M][4];
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < 4; ++r) a[m][r] = r < rows ? x[m * K + k + r] : 0.f;
+    for (int64_t j0 = 0; j0 < N; j0 += kColumns) {
+      const int64_t nb = std::min(kColumns, N - j0);
+      for (int r = 0; r < 4; ++r) {
+        if (r < rows) {
+          const uint16_t* src = w + (k + r) * N + j0;
+          for (int64_t j = 0; j < nb; ++j) wf[r][j] = widen(src[j]);
+        } else {
+          std::fill(wf[r], wf[r] + nb, 0.f);
+        }
+      }
+      for (int m = 0; m < M; ++m) {
+        float* out = y + m * N + j0;
+        for (int64_t j = 0; j < nb; ++j)
+          out[j] += (a[m][0] * wf[0][j] + a[m][1] * wf[1][j]) + (a[m][2] * wf[2][j] + a[m][3] * wf[3][j]);
+      }
+    }
+  }
+}
+
+// y[0, n0:n1] = x[0, K] . W[n0:n1, K]^T: four rows of W share each load of x, 16 lanes of sums each.
+static void nk_one(const float* x, const uint16_t* w, float* y, int64_t K, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    const uint16_t* r = w + n * K;
+    float s0[16] = {}, s1[16] = {}, s2[16] = {}, s3[16] = {};
+    int64_t d = 0;
+    for (; d + 16 <= K; d += 16)
+      for (int l = 0; l < 16; ++l) {
+        const float xv = x[d + l];
+        s0[l] += widen(r[d + l]) * xv;
+        s1[l] += widen(r[K + d + l]) * xv;
+        s2[l] += widen(r[2 * K + d + l]) * xv;
+        s3[l] += widen(r[3 * K + d + l]) * xv;
+      }
+    float s[4] = {};
+    for (int l = 0; l < 16; ++l) {
+      s[0] += s0[l]; s[1] += s1[l]; s[2] += s2[l]; s[3] += s3[l];
+    }
+    for (int i = 0; i < 4; ++i) {
+      for (int64_t e = d; e < K; ++e) s[i] += widen(r[i * K + e]) * x[e];
+      y[n + i] = s[i];
+    }
+  }
+  for (; n < n1; ++n) {
+    float s = 0.f;
+    for (int64_t d = 0; d < K; ++d) s += widen(w[n * K + d]) * x[d];
+    y[n] = s;
+  }
+}
+
+// y[M, n0:n1] = x[M, K] . W[n0:n1, K]^T for 2 <= M.
+template <int M>
+static void nk_rows(const float* x, const uint16_t* w, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint16_t* r = w + n * K;
+    float s[M][16] = {};
+    int64_t d = 0;
+    for (; d + 16 <= K; d += 16) {
+      float wf[16];
+      for (int l = 0; l < 16; ++l) wf[l] = widen(r[d + l]);
+      for (int m = 0; m < M; ++m)
+        for (int l = 0; l < 16; ++l) s[m][l] += wf[l] * x[m * K + d + l];
+    }
+    for (int m = 0; m < M; ++m) {
+      float t = 0.f;
+      for (int l = 0; l < 16; ++l) t += s[m][l];
+      for (int64_t e = d; e < K; ++e) t += widen(r[e]) * x[m * K + e];
+      y[m * N + n] = t;
+    }
+  }
+}
+
+// run(c, t) for each chunk c < chunks, on the calling thread and the pool's; t numbers the threads that
+// took part (0 for the caller), so that a thread can keep its own partial sums. Chunks are claimed from a
+// counter: the work is shared out as threads become free, the caller finishes it alone if the pool never
+// gets to it (a pool of one thread that is running this very call), and a task that starts late finds
+// nothing left and touches nothing.
+struct Work {
+  std::atomic<int64_t> next{0}, done{0}, threads{1};
+  int64_t chunks = 0;
+  std::function<void(int64_t, int64_t)> run;
+};
+
+static void claim(Work& work, bool caller) {
+  int64_t t = caller ? 0 : -1;
+  for (int64_t c; (c = work.next.fetch_add(1)) < work.chunks;) {
+    if (t < 0) t = work.threads.fetch_add(1);
+    work.run(c, t);
+    work.done.fetch_add(1);
+  }
+}
+
+static void in_parallel(ffi::ThreadPool& pool, int64_t helpers, int64_t chunks,
+                        std::function<void(int64_t, int64_t)> run) {
+  auto work = std::make_shared<Work>();
+  work->chunks = chunks;
+  work->run = std::move(run);
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work]() { claim(*work, false); });
+  claim(*work, true);
+  while (work->done.load() < chunks) std::this_thread::yield();
+}
+
+static int64_t helpers(ffi::ThreadPool& pool) { return std::clamp<int64_t>(pool.num_threads(), 0, 64); }
+
+static int64_t chunk_rows(int64_t n, int64_t threads) {  // about 4 chunks a thread, a multiple of 8 rows
+  return std::max<int64_t>(64, ((n + 4 * threads - 1) / (4 * threads) + 7) / 8 * 8);
+}
+
+#define BY_ROWS(fn, M, ...)                                                                     \
+  switch (M) {                                                                                  \
+    case 2: fn<2>(__VA_ARGS__); break; case 3: fn<3>(__VA_ARGS__); break;                       \
+    case 4: fn<4>(__VA_ARGS__); break; case 5: fn<5>(__VA_ARGS__); break;                       \
+    case 6: fn<6>(__VA_ARGS__); break; case 7: fn<7>(__VA_ARGS__); break;                       \
+    default: fn<8>(__VA_ARGS__); break;                                                         \
+  }
+
+static ffi::Error RowsKn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> w,
+                         ffi::ResultBuffer<ffi::F32> y) {
+  if (w.dimensions().size() != 2) return ffi::Error::InvalidArgument("bf16_rows_kn: W must be 2-D");
+  const int64_t K = w.dimensions()[0], N = w.dimensions()[1];
+  const int64_t M = K ? int64_t(x.element_count()) / K : 0;
+  if (M < 1 || M > kMaxRows || M * K != int64_t(x.element_count()) || int64_t(y->element_count()) != M * N)
+    return ffi::Error::InvalidArgument("bf16_rows_kn: x must be [M, K] with 1 <= M <= 8, y [M, N]");
+  const float* xp = x.typed_data();
+  const uint16_t* wp = w.typed_data();
+  float* yp = y->typed_data();
+  const int64_t h = helpers(pool), per = chunk_rows(K, h + 1), chunks = (K + per - 1) / per;
+  std::vector<float> part(std::min(h, chunks - 1) * M * N, 0.f);  // each helper thread's partial sums
+  std::fill(yp, yp + M * N, 0.f);                                  // the caller's
+  in_parallel(pool, std::min(h, chunks - 1), chunks, [&](int64_t c, int64_t t) {
+    const int64_t k0 = c * per, k1 = std::min(K, k0 + per);
+    float* out = t == 0 ? yp : part.data() + (t - 1) * M * N;
+    if (M == 1) kn_one(xp, wp, out, N, k0, k1);
+    else BY_ROWS(kn_rows, M, xp, wp, out, K, N, k0, k1)
+  });
+  for (size_t i = 0; i < part.size(); ++i) yp[i % (M * N)] += part[i];
+  return ffi::Error::Success();
+}
+
+static ffi::Error RowsNk(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> w,
+                         ffi::ResultBuffer<ffi::F32> y) {
+  if (w.dimensions().size() != 2) return ffi::Error::InvalidArgument("bf16_rows_nk: W must be 2-D");
+  const int64_t N = w.dimensions()[0], K = w.dimensions()[1];
+  const int64_t M = K ? int64_t(x.element_count()) / K : 0;
+  if (M < 1 || M > kMaxRows || M * K != int64_t(x.element_count()) || int64_t(y->element_count()) != M * N)
+    return ffi::Error::InvalidArgument("bf16_rows_nk: x must be [M, K] with 1 <= M <= 8, y [M, N]");
+  const float* xp = x.typed_data();
+  const uint16_t* wp = w.typed_data();
+  float* yp = y->typed_data();
+  const int64_t h = helpers(pool), per = chunk_rows(N, h + 1), chunks = (N + per - 1) / per;
+  in_parallel(pool, std::min(h, chunks - 1), chunks, [&](int64_t c, int64_t) {
+    const int64_t n0 = c * per, n1 = std::min(N, n0 + per);
+    if (M == 1) nk_one(xp, wp, yp, K, n0, n1);
+    else BY_ROWS(nk_rows, M, xp, wp, yp, K, N, n0, n1)
+  });
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Bf16RowsKn, RowsKn,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Bf16RowsNk, RowsNk,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

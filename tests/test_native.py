@@ -1,0 +1,167 @@
+"""The native bf16 row kernel (`amdllm.native`): its products equal XLA's on the widened weights, forward and
+backward; a bf16 decode step runs it on per-layer views and never widens a kernel; decoding a bf16
+checkpoint this way agrees with transformers in bfloat16; `--dtype auto` picks what it documents; and a
+kernel that cannot be built costs a warning, not a failure."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from amdllm import native
+from amdllm.infer.generate import Decoder, load_weights, resolve_dtype
+from amdllm.model import Run, forward, init_cache, to_pure
+from amdllm.model.fast import layer_views
+from amdllm.model.narrow import Bits, inference_weights
+from tests.tiny import make_hf_checkpoint
+
+
+def test_the_kernel_is_built_here():
+    """make test runs on Linux with a C++ compiler: the kernel must build (a warning names why if not)."""
+    assert native.available(), "the native kernel did not build: see the RuntimeWarning above"
+
+
+@pytest.mark.parametrize("K,N", [(48, 40), (64, 33), (7, 5), (2048, 520)])
+def test_rows_times_equals_xla_on_the_widened_weights(K, N):
+    rng = np.random.default_rng(K + N)
+    w = jnp.asarray(rng.standard_normal((K, N)), jnp.bfloat16)
+    bits, bits_t = (jax.lax.bitcast_convert_type(a, jnp.uint16) for a in (w, w.T))
+    for M in (1, 3, 8):
+        x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
+        want = np.asarray(x @ w.astype(jnp.float32))
+        scale = np.abs(want).max()
+        for got in (native.rows_times(x, bits), jax.jit(native.rows_times, static_argnums=2)(x, bits_t, True)):
+            assert got.shape == (M, N) and got.dtype == jnp.float32
+            np.testing.assert_allclose(np.asarray(got), want, atol=2e-6 * scale, rtol=0)
+        # the backward: x's gradient by the other layout's kernel, in x's dtype
+        dy = jnp.asarray(rng.standard_normal((M, N)), jnp.float32)
+        for xb in (x, x.astype(jnp.bfloat16)):
+            got = jax.vjp(lambda a: native.rows_times(a, bits), xb)[1](dy)[0]
+            want_dx = np.asarray(dy @ w.astype(jnp.float32).T)
+            assert got.dtype == xb.dtype
+            np.testing.assert_allclose(np.asarray(got, np.float32), want_dx,
+                                       atol=(2e-6 if xb.dtype == jnp.float32 else 1e-2) * np.abs(want_dx).max())
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["lm_head", "tied"])
+def bf16_ckpt(request, tmp_path_factory):
+    """A bf16 checkpoint with its own head [D, V] (the kn kernel) or tied to the embedding [V, D] (nk)."""
+    return make_hf_checkpoint(tmp_path_factory.mktemp("native"), dtype="bfloat16", seed=5,
+                              tie_word_embeddings=request.param)
+
+
+def test_a_bf16_decode_step_reads_every_kernel_through_the_native_kernel(bf16_ckpt):
+    """One token through per-layer views of the bits: every projection and the tied head are custom calls;
+    no 2-D kernel's bits are read back as floats (that would be XLA widening it)."""
+    d, _ = bf16_ckpt
+    model = load_weights(d, dtype="bfloat16")
+    cfg = model.cfg
+    top, layers = inference_weights(*to_pure(model))
+    views = layer_views(layers, rows=2)
+    assert views is not None and isinstance(views[0]["q_proj"], Bits)
+    assert layer_views(layers, rows=native.MAX_ROWS + 1) is None  # beyond the kernel: the scan widens
+    cache = init_cache(cfg, 2, 8, model.dtype, per_layer=True)
+    tok = jnp.ones((2, 1), jnp.int32)
+    text = jax.jit(lambda t, v, c: forward(cfg, t, v, tok, cache=c, cache_index=0, run=Run(model.dtype))
+                   ).lower(top, views, cache).as_text()
+    calls = text.count("@amdllm_bf16_rows_kn(")
+    assert calls == 7 * cfg.num_hidden_layers + (0 if cfg.tie_word_embeddings else 1), calls
+    assert text.count("@amdllm_bf16_rows_nk(") == (1 if cfg.tie_word_embeddings else 0)
+    assert not re.search(r"bitcast_convert[^\n]*tensor<\d+x\d+xui16>", text)
+
+
+def test_bf16_decoding_agrees_with_transformers_in_bfloat16(bf16_ckpt):
+    """Greedy decoding of a bf16 checkpoint held in bf16 (the native kernel) against transformers' own
+    bf16 model on the same prompt: each step's logits agree to bf16's precision, and so do the tokens;
+    the same decode through XLA (the kernel off) gives the same tokens."""
+    import torch
+    d, hf = bf16_ckpt
+    model = load_weights(d, dtype="bfloat16")
+    prompt = [1, 5, 9, 22, 17, 3]
+    steps = list(Decoder(model, eos_ids=()).stream([prompt], 12, return_logits=True))
+    ours = [s[0][0] for s in steps]
+    hf16 = hf.to(torch.bfloat16)
+    ids = torch.tensor([prompt + ours])
+    with torch.no_grad():
+        ref = hf16(ids).logits[0, len(prompt) - 1:-1].float().numpy()              # the logits of each step
+    got = np.stack([np.asarray(s[1][0]) for s in steps])
+    scale = np.abs(ref).max()
+    assert np.abs(got - ref).max() < 0.03 * scale, np.abs(got - ref).max() / scale
+    assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+
+
+def test_bf16_decoding_gives_the_same_tokens_with_the_kernel_off(bf16_ckpt):
+    """The kernel changes how the weights are read, not the arithmetic: XLA's widened products (a fresh
+    process with AMDLLM_NATIVE=0) decode the same greedy tokens."""
+    d, _ = bf16_ckpt
+    code = ("import sys, json; from amdllm.infer.generate import Decoder, load_weights; "
+            f"m = load_weights({str(d)!r}, dtype='bfloat16'); "
+            "print(json.dumps([s[0] for s in Decoder(m, eos_ids=()).stream([[1, 5, 9, 22, 17, 3]], 12)]))")
+    outs = [subprocess.run([sys.executable, "-c", code], env={**os.environ, "AMDLLM_NATIVE": flag},
+                           capture_output=True, text=True, check=True).stdout for flag in ("1", "0")]
+    assert outs[0] == outs[1]
+
+
+def test_dtype_auto_picks_what_it_documents(bf16_ckpt, tmp_path, monkeypatch):
+    d, _ = bf16_ckpt
+    f32, _ = make_hf_checkpoint(tmp_path, dtype="float32", name="f32")
+    assert resolve_dtype("auto", f32) == "float32" and resolve_dtype("auto", f32, decoding=False) == "float32"
+    assert resolve_dtype("auto", d) == "bfloat16" and resolve_dtype("auto", d, decoding=False) == "bfloat16"
+    assert resolve_dtype("float32", d) == "float32"
+    monkeypatch.setattr(native, "available", lambda: False)
+    assert resolve_dtype("auto", d) == "float32"  # decoding without the kernel: XLA widens bf16 every token
+    assert resolve_dtype("auto", d, decoding=False) == "bfloat16"
+    with pytest.raises(ValueError, match="--dtype must be one of"):
+        resolve_dtype("float16", d)
+
+
+def test_a_kernel_that_cannot_be_built_is_a_warning_and_xla_decodes(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", "/bin/false")
+    monkeypatch.setenv("AMDLLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "compiler", lambda: "/bin/false")
+    native.available.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="bf16 row kernel is off .*false failed on bf16_rows.cc"):
+            assert not native.available()
+        stacked = {"w": Bits(jnp.zeros((2, 8, 16), jnp.uint16), jnp.bfloat16)}
+        assert layer_views(stacked, rows=1) is None
+    finally:
+        native.available.cache_clear()
+    assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.tmp*"))
+
+
+def test_the_engine_holds_a_bf16_cache_as_bits_and_decodes_as_generate(bf16_ckpt):
+    """The server's engine keeps a bf16 cache as uint16 bits between steps (`engine.HeldCache`: XLA:CPU
+    widens a whole bf16 buffer to write one row) and reads floats back for the rows a step runs. Three
+    requests at once (rows joining, finishing and moving) give each prompt's tokens from `generate`."""
+    import threading
+    from amdllm.infer.engine import Engine, Request
+    from amdllm.io.tokenizer import load_tokenizer
+    d, _ = bf16_ckpt
+    model = load_weights(d, dtype="bfloat16")
+    prompts, lengths = [[1, 5, 9, 22], [1, 40, 41], [1, 7, 8, 9, 10, 11]], [10, 4, 7]
+    want = [[s[0] for s in Decoder(model, eos_ids=()).stream([p], n)] for p, n in zip(prompts, lengths)]
+    eng = Engine(model, load_tokenizer("data/tokenizer"), max_batch=4, max_len=64, eos_ids=(), pad_id=0)
+    try:
+        assert eng.held.narrow and all(a.dtype == jnp.uint16 for a in jax.tree.leaves((eng.cache.k, eng.cache.v)))
+        got, done = {}, [threading.Event() for _ in prompts]
+
+        def emit_for(i):
+            def emit(kind, payload):
+                if kind in ("done", "error"):
+                    got[i] = payload
+                    done[i].set()
+            return emit
+        for i, (p, n) in enumerate(zip(prompts, lengths)):
+            eng.submit(Request(p, n, emit_for(i), temperature=0.0))
+        assert all(e.wait(300) for e in done)
+    finally:
+        eng.stop()
+    assert [got[i]["token_ids"] for i in range(3)] == want
