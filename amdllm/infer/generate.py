@@ -259,9 +259,9 @@ def resolve_dtype(dtype: str, model_dir, decoding: bool = True) -> str:
 
     On an accelerator, bfloat16. On a CPU, a bfloat16 checkpoint stays bfloat16 (half the memory of a
     float32 copy) where that is not slower: for evaluation always (many rows a matmul); for decoding where
-    the native bf16 row kernel runs (`amdllm.native`; 1B shape, 2 cores, 32 tokens: 7.1 tokens/s at 2.95 GB
-    peak against 3.7 at 5.5 GB in float32, 2026-12-03), since XLA alone widens every layer to float32 for
-    every token (1.2 tokens/s). Anything else (float32 or float16 checkpoints, GPTQ ones, decoding without
+    the native bf16 row kernel runs (`amdllm.native`; 1B shape, 2 cores: 6.95 tokens/s at 3.03 GB peak
+    against 3.85 at 5.66 GB in float32, BENCHMARKS.md run 9), since XLA alone widens every layer to float32
+    for every token (1.19 tokens/s, run 7). Anything else (float32 or float16 checkpoints, GPTQ ones, decoding without
     the kernel) is computed in float32 on a CPU."""
     if check_dtype(dtype) != "auto":
         return dtype
