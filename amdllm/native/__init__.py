@@ -109,6 +109,8 @@ def available() -> bool:
 
 
 def _call(x2, bits, transposed: bool):
+    if not available():  # also what registers the kernel with XLA, once per process
+        raise RuntimeError("amdllm.native: the bf16 row kernel is not available here (its warning says why)")
     n = bits.shape[0] if transposed else bits.shape[1]
     out = jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32)
     return jax.ffi.ffi_call(TARGETS[transposed], out, vmap_method="sequential")(x2.astype(jnp.float32), bits)
@@ -118,8 +120,8 @@ def _call(x2, bits, transposed: bool):
 def rows_times(x2, bits, transposed: bool = False):
     """x2 [M, K] (1 <= M <= MAX_ROWS) times the bfloat16 matrix whose bits (uint16) are `bits` [K, N]
     ([N, K] if transposed, as a tied head's embedding table) -> float32 [M, N]. The weights are frozen:
-    the backward gives x2's gradient only, by the other layout's kernel on the same bits. Call it only
-    where `available()`."""
+    the backward gives x2's gradient only, by the other layout's kernel on the same bits. Where the kernel
+    is not `available()`, a RuntimeError."""
     return _call(x2, bits, transposed)
 
 
