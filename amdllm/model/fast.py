@@ -37,8 +37,8 @@ import amdllm.model.llama as llama
 from amdllm.model.attention import _scores, library_attention
 from amdllm.model.layers import lora_delta, rms_norm
 from amdllm.model.llama import KVCache, Kernels, LoRA, Run, block, embed, project
-from amdllm.model.narrow import (Bits, bf16_dots_for, fence, has_bits, head_blocked, keep_bits, lookup,
-                                 native_decodes, native_rows_for)
+from amdllm.model.narrow import (Bits, bf16_dots_for, fence, has_bits, head_blocked, hold_stacked, keep_bits,
+                                 lookup, native_decodes, native_rows_for)
 
 FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
 FUSE_MIN_ROWS = 64  # below this (decoding), copying the kernels costs more than fewer matmuls save
@@ -233,7 +233,7 @@ def kernels_for(run: Run, layers=None) -> Kernels:
     k = kernels(fuse=run.act_sharding is None and jax.default_backend() == "cpu",
                 attention=attention_implementation(run.dtype))
     if has_bits(layers):  # a frozen narrow base
-        k = k._replace(checkpoint=keep_bits)
+        k = k._replace(checkpoint=keep_bits, hold=hold_stacked)
     return k
 
 

@@ -93,6 +93,7 @@ class Kernels(NamedTuple):
     weights: Callable = lambda p: p  # (p) -> p, applied to each layer's parameters before use
     lookup: Callable = lambda table, tokens: jnp.take(table, tokens, axis=0)  # embedding rows [B, T, D]
     checkpoint: Any = None  # (layer) -> layer: what each layer keeps for the backward (None: all it needs)
+    hold: Any = None  # (layers) -> (layers to scan, at(i) -> layer i's weights read in place, not scanned)
 
 
 class LoRA(NamedTuple):
@@ -192,9 +193,11 @@ def forward(cfg: LlamaConfig, top: dict, layers: dict, tokens, *, positions=None
     x, rope, mask, valid = embed(cfg, top, tokens, positions, segment_ids, cache, cache_index, run.dtype,
                                  kernels.lookup)
 
+    layers, held = kernels.hold(layers) if kernels.hold is not None else (layers, lambda i: {})
+
     def layer(x, xs):  # scanned over the stacked layers
         p, kv, i = xs
-        p = kernels.weights(p)
+        p = kernels.weights({**p, **held(i)})
         rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, i)
         x, kv = block(cfg, p, constrain(x, run.act_sharding), rope, mask, kv, cache_index,
                       lora=LoRA(run.lora_scale, run.lora_dropout, rng), kernels=kernels)

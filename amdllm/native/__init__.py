@@ -1,17 +1,22 @@
-"""A C++ kernel that XLA calls (XLA's FFI): a few float32 rows times bfloat16 weights, read as they lie.
+"""C++ kernels that XLA calls (XLA's FFI) for bfloat16 weights on a CPU, read as they lie.
 
-Decoding multiplies one row, or a few, by every weight matrix, so a decode step takes as long as reading
-the weights. XLA:CPU has no fast bfloat16 matrix-vector product (1.1-2.2 GB/s of weights on a 2-core Xeon
-with AVX-512 BF16, against about 20 GB/s for float32; docs/benchmark-history.md, "Decoding and prefill"),
-so a bf16 checkpoint decoded in float32 (twice the bytes) or widened every layer for every token.
-`bf16_rows.cc` widens each weight in a register on its way into a float32 multiply-add: half the bytes of a
-float32 product and the same sums, since bfloat16 -> float32 is exact.
+* `bf16_rows.cc`, `rows_times`: a few float32 rows times bf16 weights (decoding). Decoding multiplies one
+  row, or a few, by every weight matrix, so a decode step takes as long as reading the weights. XLA:CPU has
+  no fast bfloat16 matrix-vector product (1.1-2.2 GB/s of weights on a 2-core Xeon with AVX-512 BF16,
+  against about 20 GB/s for float32; docs/benchmark-history.md, "Decoding and prefill"), so a bf16
+  checkpoint decoded in float32 (twice the bytes) or widened every layer for every token. The kernel
+  widens each weight in a register on its way into a float32 multiply-add: half the bytes of a float32
+  product and the same sums, since bfloat16 -> float32 is exact.
+* `bf16_tiles.cc`, `tiles_times`: many bf16 rows times bf16 weights into float32 on Intel AMX tiles (a
+  LoRA step's, or an evaluation's, products with a frozen bf16 base), where the CPU has AMX: XLA:CPU's
+  bf16 dots ran those at 200-330 GFLOP/s on the same Xeon, the tiles at 400-750 (`jax.jit` timings,
+  [256, 2048] times the 1B shape's kernels, 2026-12-03).
 
-`rows_times(x2, bits)` is the entry point; `amdllm.model.narrow` decides where it runs. The library is
-compiled on first use with the host's C++ compiler (`$CXX`, else g++ or c++; about 5 s, once per
-machine) into `$AMDLLM_CACHE/native` (default ~/.cache/amdllm/native) and loaded from there afterwards.
-Where it cannot be built (no compiler, another platform) `available()` is False, one warning says why, and
-decoding keeps XLA's way. `AMDLLM_NATIVE=0` turns it off (to compare the two).
+`amdllm.model.narrow` decides where each runs. Each library is compiled on first use with the host's C++
+compiler (`$CXX`, else g++ or c++; about 5 s, once per machine) into `$AMDLLM_CACHE/native` (default
+~/.cache/amdllm/native) and loaded from there afterwards. Where one cannot be built (no compiler, another
+platform) its `available()` is False, one warning says why, and XLA's way runs. `AMDLLM_NATIVE=0` turns
+both off (to compare).
 """
 from __future__ import annotations
 
@@ -34,8 +39,11 @@ from amdllm.cpu import cpu_flags
 
 
 SOURCE = Path(__file__).with_name("bf16_rows.cc")
+TILES_SOURCE = Path(__file__).with_name("bf16_tiles.cc")
 MAX_ROWS = 8  # bf16_rows.cc kMaxRows
 TARGETS = {False: "amdllm_bf16_rows_kn", True: "amdllm_bf16_rows_nk"}  # by `transposed`
+TILES_TARGETS = {False: "amdllm_bf16_tiles_kn", True: "amdllm_bf16_tiles_nk"}
+AMX_FLAGS = ("amx_tile", "amx_bf16")  # /proc/cpuinfo
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 
 
@@ -52,18 +60,18 @@ def compiler() -> str | None:
     return None
 
 
-def library_name(cxx: str) -> str:
+def library_name(cxx: str, source: Path = SOURCE) -> str:
     """The built library's file name: one per source, jaxlib, compiler and CPU (-march=native code may not
     run on another CPU that shares the cache directory)."""
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), jaxlib.__version__.encode(), cxx.encode(), " ".join(FLAGS).encode(),
+    for part in (source.read_bytes(), jaxlib.__version__.encode(), cxx.encode(), " ".join(FLAGS).encode(),
                  platform.machine().encode(), " ".join(sorted(cpu_flags())).encode()):
         key.update(part)
         key.update(b"\0")
-    return f"bf16_rows-{key.hexdigest()[:16]}.so"
+    return f"{source.stem}-{key.hexdigest()[:16]}.so"
 
 
-def build() -> Path:
+def build(source: Path = SOURCE) -> Path:
     """The compiled library's path, compiled now if it is not in the cache. Raises RuntimeError with the
     reason (one line) where it cannot be built."""
     if platform.system() != "Linux":
@@ -71,18 +79,18 @@ def build() -> Path:
     cxx = compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found ($CXX, g++, c++ or clang++)")
-    out = cache_dir() / library_name(cxx)
+    out = cache_dir() / library_name(cxx, source)
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)  # same directory: the rename is atomic
     os.close(fd)
     try:
-        cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+        cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o", tmp]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             first = next((ln for ln in done.stderr.splitlines() if "error" in ln), done.stderr.strip()[:200])
-            raise RuntimeError(f"{Path(cxx).name} failed on {SOURCE.name}: {first}")
+            raise RuntimeError(f"{Path(cxx).name} failed on {source.name}: {first}")
         os.replace(tmp, out)  # several processes building at once: each renames a whole file
     finally:
         if os.path.exists(tmp):
@@ -94,7 +102,7 @@ def build() -> Path:
 def available() -> bool:
     """Whether the kernel runs here: the CPU back end, AMDLLM_NATIVE not 0, and the library built and
     registered with XLA (a warning says why not, once)."""
-    if os.environ.get("AMDLLM_NATIVE", "").strip() == "0" or jax.default_backend() != "cpu":
+    if _off():
         return False
     try:
         lib = ctypes.cdll.LoadLibrary(str(build()))
@@ -106,6 +114,45 @@ def available() -> bool:
                       "silences this.", RuntimeWarning, stacklevel=2)
         return False
     return True
+
+
+def _off() -> bool:
+    return os.environ.get("AMDLLM_NATIVE", "").strip() == "0" or jax.default_backend() != "cpu"
+
+
+@functools.cache
+def tiles_available() -> bool:
+    """Whether the AMX kernel runs here: `available()`'s conditions, a CPU with AMX tiles and bf16 (most
+    have none: then False, quietly), and Linux letting this process use them."""
+    if _off() or not all(f in cpu_flags() for f in AMX_FLAGS):
+        return False
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(build(TILES_SOURCE)))
+        if lib.amdllm_tiles_ready() != 1:
+            raise RuntimeError("the kernel did not grant this process the AMX tile state (arch_prctl)")
+        jax.ffi.register_ffi_target(TILES_TARGETS[False], jax.ffi.pycapsule(lib.Bf16TilesKn), platform="cpu")
+        jax.ffi.register_ffi_target(TILES_TARGETS[True], jax.ffi.pycapsule(lib.Bf16TilesNk), platform="cpu")
+    except (RuntimeError, OSError, AttributeError) as e:
+        warnings.warn(f"amdllm.native: the AMX kernel is off ({e}); bf16 products of many rows run in XLA "
+                      "(slower on this CPU). AMDLLM_NATIVE=0 silences this.", RuntimeWarning, stacklevel=2)
+        return False
+    return True
+
+
+def tiles_times(x2, bits, transposed: bool = False, layer=None):
+    """x2 [M, K] as bfloat16 times the bfloat16 matrix whose bits (uint16) are `bits` [K, N] ([N, K] if
+    transposed) -> float32 [M, N], on AMX tiles (`bf16_tiles.cc`); float32 sums, as XLA's bf16 dots with
+    preferred_element_type=float32. With `layer` (an int32 scalar), `bits` is a stack [L, K, N] read in
+    place at that layer: inside the layer scan, no copy of the slice. No gradient:
+    `amdllm.model.narrow.bf16_dot` is the differentiable form. Where the kernel is not
+    `tiles_available()`, a RuntimeError."""
+    if not tiles_available():  # also what registers the kernel with XLA, once per process
+        raise RuntimeError("amdllm.native: the AMX kernel is not available here")
+    n = bits.shape[-2] if transposed else bits.shape[-1]
+    out = jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32)
+    at = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
+    return jax.ffi.ffi_call(TILES_TARGETS[transposed], out, vmap_method="sequential")(
+        x2.astype(jnp.bfloat16), bits, at)
 
 
 def _call(x2, bits, transposed: bool):

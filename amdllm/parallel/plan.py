@@ -61,6 +61,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from amdllm import native
 from amdllm.cpu import has_bf16_dots
 from amdllm.model import PROJECTIONS, param_table
 from amdllm.model.llama import REMAT, remat_mode
@@ -167,15 +168,19 @@ def mfu(tokens_per_s: float, flops_per_tok: float, n_devices: int, peak_flops_pe
 
 @functools.lru_cache(maxsize=None)
 def measure_cpu_flops(n: int = 1024, repeats: int = 5) -> float:
-    """This machine's CPU matmul FLOP/s, cached per process: the best of `repeats` n^3 float32 dots, or of
+    """This machine's CPU matmul FLOP/s, cached per process: the best of `repeats` n^3 float32 dots, of
     bfloat16 dots into float32 where this CPU has bf16 instructions (`amdllm.cpu.has_bf16_dots`; the
-    training step then multiplies a bf16 base that way, about 2x faster), whichever is faster."""
+    training step then multiplies a bf16 base that way, about 2x faster), and of the AMX kernel where it
+    runs (`native.tiles_available`; the step then multiplies with it), whichever is fastest."""
     cpu = jax.local_devices(backend="cpu")[0]  # this process's own (with several, [0] is process 0's)
-    kinds = [jnp.float32] + ([jnp.bfloat16] if has_bf16_dots() else [])
+    dot = partial(jnp.dot, preferred_element_type=jnp.float32)
+    kinds = [(jnp.float32, dot)] + ([(jnp.bfloat16, dot)] if has_bf16_dots() else [])
+    if native.tiles_available():
+        kinds.append((jnp.bfloat16, lambda a, b: native.tiles_times(a, jax.lax.bitcast_convert_type(b, jnp.uint16))))
     best = math.inf
-    for dt in kinds:
+    for dt, fn in kinds:
         a = jax.device_put(jnp.ones((n, n), dt), cpu)
-        f = jax.jit(partial(jnp.dot, preferred_element_type=jnp.float32))
+        f = jax.jit(fn)
         f(a, a).block_until_ready()  # compile
         for _ in range(repeats):
             t = time.perf_counter()

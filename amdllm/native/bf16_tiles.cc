@@ -1,0 +1,309 @@
+// Many rows of bfloat16 activations times a frozen bfloat16 weight matrix on Intel AMX tiles, float32 sums.
+//
+// Why: a LoRA step on a bf16 base multiplies 256+ rows by every weight matrix, forward and backward
+// (dx = dy . W^T; the base gets no gradient). XLA:CPU runs those bf16 dots at 270-300 GFLOP/s on a 2-core
+// Xeon with AMX, where PyTorch (oneDNN) reaches 380-900, so peft's step was faster with the same work.
+// AMX multiplies 16x32 by 32x16 bf16 tiles into 16x16 float32 tiles in one instruction.
+//
+// Two layouts, both x [M, K] -> y [M, N] float32, W 2-D or a stack of layers' [L, ...] read at a layer index:
+//   bf16_tiles_kn: W [K, N] (amdllm's [in, out] kernels; the backward of a tied head).
+//   bf16_tiles_nk: W [N, K] (the backward of an [in, out] kernel, dy . W^T; a tied head's [V, D] table).
+// AMX wants B as [K/2][N][2] pairs; neither layout is, so each thread packs a panel of W's columns into
+// that order (kn: two rows interleaved; nk: 16x16 transposes of 32-bit pairs) right before using it, while
+// it is hot in L2, and reuses it for every block of 32 rows of x. x is packed once, into 32x32 blocks.
+// Each step multiplies a 32x32 block of y: 2 tiles of x by 2 tiles of W into 4 float32 tiles.
+// Threads: XLA's intra-op pool, as bf16_rows.cc. Built by amdllm/native/__init__.py; the functions carry
+// their own target attributes, so the file compiles on any x86-64 g++/clang++ that knows AMX, and
+// amdllm_tiles_ready() says at run time whether this CPU and kernel let a process use the tiles.
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw")))
+
+constexpr int64_t kBlock = 32;        // rows of x and columns of W per step
+constexpr int64_t kStep = 1024;       // bf16 values per packed k-step of a block: 2 tiles of 16 x 32
+constexpr int64_t kPanelBytes = 1 << 20;  // a thread's packed columns of W at once (L2)
+
+extern "C" int amdllm_tiles_ready() {  // 1 when this process may use AMX tiles (Linux asks for them)
+  __builtin_cpu_init();
+  if (!__builtin_cpu_supports("avx512bw")) return 0;
+  unsigned a, b, c, d;
+  __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+  const bool tile = (d >> 24) & 1, bf16 = (d >> 22) & 1;
+  if (!tile || !bf16) return 0;
+  constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0 ? 1 : 0;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+AMX static void configure() {  // tiles 0-7: 16 rows of 64 bytes
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) {
+    c.rows[t] = 16;
+    c.colsb[t] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+struct Aligned {  // a 64-byte aligned scratch buffer of uint16
+  std::unique_ptr<uint16_t, decltype(&std::free)> p{nullptr, &std::free};
+  size_t n = 0;
+  uint16_t* get(size_t want) {
+    if (want > n) {
+      p.reset(static_cast<uint16_t*>(std::aligned_alloc(64, (want * 2 + 63) / 64 * 64)));
+      n = want;
+    }
+    return p.get();
+  }
+};
+
+// x [M, K] -> blocks [M/32][K/32][32 rows][32], zero-padded: the two x tiles of a step lie in 2 KB.
+static void pack_x(const uint16_t* x, int64_t M, int64_t K, int64_t mb, uint16_t* out) {
+  const int64_t steps = (K + kBlock - 1) / kBlock;
+  for (int64_t s = 0; s < steps; ++s) {
+    uint16_t* dst = out + (mb * steps + s) * kStep;
+    const int64_t k0 = s * kBlock, n = std::min(kBlock, K - k0);
+    for (int64_t r = 0; r < kBlock; ++r) {
+      const int64_t m = mb * kBlock + r;
+      const int64_t have = m < M ? n : 0;
+      if (have) std::memcpy(dst + r * kBlock, x + m * K + k0, have * 2);
+      if (have < kBlock) std::memset(dst + r * kBlock + have, 0, (kBlock - have) * 2);
+    }
+  }
+}
+
+// W [K, N] column blocks nb0..nb1-1 -> each [K/32][2 tiles][16 pairs of rows][16 columns][2], zero-padded,
+// `stride` values apart. Row pair by row pair over all the blocks: W is read along its rows.
+AMX static void pack_kn(const uint16_t* w, int64_t K, int64_t N, int64_t nb0, int64_t nb1, uint16_t* out,
+                        int64_t stride) {
+  const int64_t steps = (K + kBlock - 1) / kBlock;
+  const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
+  const __m512i second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+  for (int64_t k = 0; k < steps * kBlock; k += 2) {
+    for (int64_t nb = nb0; nb < nb1; ++nb) {
+      const int64_t n0 = nb * kBlock, cols = std::min(kBlock, N - n0);
+      const __mmask32 mask = cols == 32 ? ~__mmask32(0) : (__mmask32(1) << cols) - 1;
+      const __m512i a = k < K ? _mm512_maskz_loadu_epi16(mask, w + k * N + n0) : _mm512_setzero_si512();
+      const __m512i b = k + 1 < K ? _mm512_maskz_loadu_epi16(mask, w + (k + 1) * N + n0) : _mm512_setzero_si512();
+      // unpack interleaves within 128-bit lanes: lo holds columns 0-3, 8-11, ..., hi 4-7, 12-15, ...
+      const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
+      uint16_t* dst = out + (nb - nb0) * stride + (k / kBlock) * kStep + (k % kBlock) / 2 * kBlock;
+      _mm512_store_si512(dst, _mm512_permutex2var_epi64(lo, first, hi));               // columns 0-15
+      _mm512_store_si512(dst + kStep / 2, _mm512_permutex2var_epi64(lo, second, hi));  // columns 16-31
+    }
+  }
+}
+
+AMX static inline void transpose16(__m512i r[16]) {  // 16 x 16 32-bit values
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // r[4g + c], lane L: column 4L + c of rows 4g..4g+3
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i u0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88), u1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88);
+    const __m512i v0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xdd), v1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xdd);
+    t[c] = _mm512_shuffle_i32x4(u0, u1, 0x88);
+    t[8 + c] = _mm512_shuffle_i32x4(u0, u1, 0xdd);
+    t[4 + c] = _mm512_shuffle_i32x4(v0, v1, 0x88);
+    t[12 + c] = _mm512_shuffle_i32x4(v0, v1, 0xdd);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// W [N, K] rows n0..n0+31 -> the same packed order as pack_kn: a pair (W[n, k], W[n, k+1]) is one 32-bit
+// value of W's row, so each tile is a 16 x 16 transpose of those.
+AMX static void pack_nk(const uint16_t* w, int64_t K, int64_t N, int64_t n0, uint16_t* out) {
+  const int64_t steps = (K + kBlock - 1) / kBlock;
+  for (int64_t s = 0; s < steps; ++s) {
+    const int64_t k0 = s * kBlock, n = std::min(kBlock, K - k0);
+    const __mmask32 mask = n == 32 ? ~__mmask32(0) : (__mmask32(1) << n) - 1;
+    for (int t = 0; t < 2; ++t) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) {
+        const int64_t row = n0 + 16 * t + i;
+        r[i] = row < N ? _mm512_maskz_loadu_epi16(mask, w + row * K + k0) : _mm512_setzero_si512();
+      }
+      transpose16(r);
+      uint16_t* dst = out + s * kStep + t * (kStep / 2);
+      for (int p = 0; p < 16; ++p) _mm512_store_si512(dst + p * kBlock, r[p]);
+    }
+  }
+}
+
+// y[32, 32] (row stride ldy) = a block of packed x . a block of packed W, `steps` k-steps.
+AMX static void block(const uint16_t* a, const uint16_t* b, int64_t steps, float* y, int64_t ldy) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t s = 0; s < steps; ++s, a += kStep, b += kStep) {
+    _tile_loadd(4, a, 64);
+    _tile_loadd(5, a + kStep / 2, 64);
+    _tile_loadd(6, b, 64);
+    _tile_loadd(7, b + kStep / 2, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, y, ldy * 4);
+  _tile_stored(1, y + 16, ldy * 4);
+  _tile_stored(2, y + 16 * ldy, ldy * 4);
+  _tile_stored(3, y + 16 * ldy + 16, ldy * 4);
+}
+
+// The threads' share: columns of y in groups of `group` blocks; each group's W panel is packed once and
+// used by every block of rows.
+AMX static void columns(const uint16_t* xp, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N,
+                        bool nk, int64_t nb0, int64_t nb1) {
+  static thread_local Aligned panel_buffer;
+  const int64_t steps = (K + kBlock - 1) / kBlock, mbs = (M + kBlock - 1) / kBlock;
+  uint16_t* panel = panel_buffer.get((nb1 - nb0) * steps * kStep);
+  if (nk)
+    for (int64_t nb = nb0; nb < nb1; ++nb) pack_nk(w, K, N, nb * kBlock, panel + (nb - nb0) * steps * kStep);
+  else
+    pack_kn(w, K, N, nb0, nb1, panel, steps * kStep);
+  configure();
+  alignas(64) float edge[kBlock * kBlock];
+  for (int64_t mb = 0; mb < mbs; ++mb) {
+    const uint16_t* a = xp + mb * steps * kStep;
+    for (int64_t nb = nb0; nb < nb1; ++nb) {
+      const int64_t m0 = mb * kBlock, n0 = nb * kBlock;
+      const uint16_t* b = panel + (nb - nb0) * steps * kStep;
+      if (m0 + kBlock <= M && n0 + kBlock <= N) {
+        block(a, b, steps, y + m0 * N + n0, N);
+      } else {  // an edge block: through a 32 x 32 buffer
+        block(a, b, steps, edge, kBlock);
+        const int64_t rows = std::min(kBlock, M - m0), cols = std::min(kBlock, N - n0);
+        for (int64_t r = 0; r < rows; ++r) std::memcpy(y + (m0 + r) * N + n0, edge + r * kBlock, cols * 4);
+      }
+    }
+  }
+  _tile_release();
+}
+
+// run(c) for each chunk c < chunks on the calling thread and the pool's, chunks claimed from a counter (see
+// bf16_rows.cc: the caller finishes the work alone if the pool never gets to it).
+struct Work {
+  std::atomic<int64_t> next{0}, done{0};
+  int64_t chunks = 0;
+  std::function<void(int64_t)> run;
+};
+
+static void claim(Work& work) {
+  for (int64_t c; (c = work.next.fetch_add(1)) < work.chunks;) {
+    work.run(c);
+    work.done.fetch_add(1);
+  }
+}
+
+static void in_parallel(ffi::ThreadPool& pool, int64_t chunks, std::function<void(int64_t)> run) {
+  auto work = std::make_shared<Work>();
+  work->chunks = chunks;
+  work->run = std::move(run);
+  const int64_t helpers = std::min<int64_t>(std::clamp<int64_t>(pool.num_threads(), 0, 64), chunks - 1);
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work]() { claim(*work); });
+  claim(*work);
+  while (work->done.load() < chunks) std::this_thread::yield();
+}
+
+static ffi::Error Tiles(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16>& x, ffi::Buffer<ffi::U16>& w,
+                        ffi::Buffer<ffi::S32>& layer, ffi::Result<ffi::Buffer<ffi::F32>>& y, bool nk) {
+  const std::string name = nk ? "bf16_tiles_nk" : "bf16_tiles_kn";
+  const auto dims = w.dimensions();
+  const size_t rank = dims.size();
+  if ((rank != 2 && rank != 3) || x.dimensions().size() != 2 || layer.element_count() != 1)
+    return ffi::Error::InvalidArgument(name + ": x must be 2-D, W 2-D or a 3-D stack, the layer one int32");
+  const int64_t K = dims[rank - (nk ? 1 : 2)], N = dims[rank - (nk ? 2 : 1)], M = x.dimensions()[0];
+  if (x.dimensions()[1] != K || int64_t(y->element_count()) != M * N)
+    return ffi::Error::InvalidArgument(name + ": x must be [M, K] and y [M, N] for W's K and N");
+  // a stack of layers' weights [L, ...] is read in place at `layer`: the layer scan does not copy a slice out
+  const int64_t at = rank == 3 ? layer.typed_data()[0] : 0;
+  if (at < 0 || (rank == 3 && at >= dims[0])) return ffi::Error::InvalidArgument(name + ": layer out of range");
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  float* yp = y->typed_data();
+  if (K == 0) {
+    std::fill(yp, yp + M * N, 0.f);
+    return ffi::Error::Success();
+  }
+  const int64_t steps = (K + kBlock - 1) / kBlock, mbs = (M + kBlock - 1) / kBlock, nbs = (N + kBlock - 1) / kBlock;
+  Aligned x_buffer;  // per call: an evaluation's x can be large, and is freed on return
+  uint16_t* xp = x_buffer.get(mbs * steps * kStep);
+  const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.typed_data());
+  in_parallel(pool, mbs, [&](int64_t mb) { pack_x(xs, M, K, mb, xp); });
+  // groups of column blocks: a panel of about kPanelBytes, and at least 4 groups a thread where N allows
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads() + 1);
+  const int64_t fit = std::max<int64_t>(1, kPanelBytes / (steps * kStep * 2));
+  const int64_t group = std::max<int64_t>(1, std::min(fit, nbs / (4 * threads)));
+  const int64_t groups = (nbs + group - 1) / group;
+  const uint16_t* wp = w.typed_data() + at * K * N;
+  in_parallel(pool, groups, [&](int64_t g) {
+    columns(xp, wp, yp, M, K, N, nk, g * group, std::min(nbs, (g + 1) * group));
+  });
+  return ffi::Error::Success();
+}
+
+#else  // not x86-64: no tiles (amdllm_tiles_ready() is 0, so the handlers are never called)
+
+extern "C" int amdllm_tiles_ready() { return 0; }
+
+static ffi::Error Tiles(ffi::ThreadPool&, ffi::Buffer<ffi::BF16>&, ffi::Buffer<ffi::U16>&, ffi::Buffer<ffi::S32>&,
+                        ffi::Result<ffi::Buffer<ffi::F32>>&, bool) {
+  return ffi::Error::Internal("bf16_tiles: AMX tiles need an x86-64 CPU");
+}
+
+#endif
+
+static ffi::Error TilesKn(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U16> w,
+                          ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  return Tiles(pool, x, w, layer, y, false);
+}
+
+static ffi::Error TilesNk(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U16> w,
+                          ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  return Tiles(pool, x, w, layer, y, true);
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Bf16TilesKn, TilesKn,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Bf16TilesNk, TilesNk,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
