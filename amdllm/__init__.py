@@ -3,7 +3,8 @@
 The package is layered; a module imports only from its own layer or lower ones (tests/test_imports.py):
 
     L0  config, files, env, cpu     configuration, atomic file writes, the machine's facts, CPU back-end options
-    L0  native/                     a C++ kernel XLA calls on a CPU: a few rows times bf16 weights (decoding)
+    L0  native/                     C++ kernels XLA calls on a CPU: bf16 weights times a few rows (decoding)
+                                    or many (AMX tiles: training, evaluation)
     L1  model/                      the Llama model, LoRA factors, GPTQ-packed weights
     L2  io/, parallel/              checkpoints, adapters, tokenizers; meshes, rules, the planner
     L3  quant/, infer/              GPTQ and RTN; generation, perplexity, serving

@@ -8,6 +8,9 @@
     frozen base is multiplied as bf16 x bf16 -> float32, forward and backward, instead of being widened:
     XLA:CPU runs those dots about 2x faster than float32 (the 1B LoRA step: 43 -> 63-73 tokens/s). From
     BF16_DOT_MIN_ROWS rows up: decoding's one-row products stay widened, which is faster there.
+    Where the CPU has AMX tiles, those products run in a C++ kernel instead (`amdllm.native.tiles_times`,
+    about 2x XLA's bf16 dots at the 1B shape), which also reads the layer scan's stacked weights in place
+    (`hold_stacked`, `HeldBits`): no copy of each layer's slice, forward and backward.
   * A few rows (decoding, up to `native.MAX_ROWS`) times bfloat16 weights run in a C++ kernel that reads
     the weights as they lie (`amdllm.native.rows_times`; `native_rows_for`), where it could be built.
 CPU only: elsewhere `carry_bits` leaves arrays as they are. `amdllm.model.fast` composes these into its
