@@ -8,9 +8,9 @@
   widens each weight in a register on its way into a float32 multiply-add: half the bytes of a float32
   product and the same sums, since bfloat16 -> float32 is exact.
 * `bf16_tiles.cc`, `tiles_times`: many bf16 rows times bf16 weights into float32 on Intel AMX tiles (a
-  LoRA step's, or an evaluation's, products with a frozen bf16 base), where the CPU has AMX: XLA:CPU's
-  bf16 dots ran those at 200-330 GFLOP/s on the same Xeon, the tiles at 400-750 (`jax.jit` timings,
-  [256, 2048] times the 1B shape's kernels, 2026-12-03).
+  LoRA step's, or an evaluation's, products with a frozen bf16 base), where the CPU has AMX: 256 rows
+  times the 1B shape's matrices ran at 1.1-3.5x XLA:CPU's bf16 dots on the same Xeon (`jax.jit` timings,
+  docs/benchmark-history.md, "an AMX kernel for the frozen base").
 
 `amdllm.model.narrow` decides where each runs. Each library is compiled on first use with the host's C++
 compiler (`$CXX`, else g++ or c++; about 5 s, once per machine) into `$AMDLLM_CACHE/native` (default

@@ -1,8 +1,9 @@
 // Many rows of bfloat16 activations times a frozen bfloat16 weight matrix on Intel AMX tiles, float32 sums.
 //
 // Why: a LoRA step on a bf16 base multiplies 256+ rows by every weight matrix, forward and backward
-// (dx = dy . W^T; the base gets no gradient). XLA:CPU runs those bf16 dots at 270-300 GFLOP/s on a 2-core
-// Xeon with AMX, where PyTorch (oneDNN) reaches 380-900, so peft's step was faster with the same work.
+// (dx = dy . W^T; the base gets no gradient). XLA:CPU ran those bf16 dots at 200-540 GFLOP/s on a 2-core
+// Xeon with AMX, where PyTorch (oneDNN) reached 330-940, so peft's step was faster with the same work
+// (docs/benchmark-history.md, "LoRA training step").
 // AMX multiplies 16x32 by 32x16 bf16 tiles into 16x16 float32 tiles in one instruction.
 //
 // Two layouts, both x [M, K] -> y [M, N] float32, W 2-D or a stack of layers' [L, ...] read at a layer index:
