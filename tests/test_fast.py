@@ -293,17 +293,24 @@ def bits_step_inputs(m, T: int = 64):
     return trained, {**top, "layers": layers}, batch
 
 
+def bf16_lora_model(layers: int = 2):
+    """BIG with `layers` layers in bfloat16, LoRA rank 4 on every projection, B factors drawn (not zero),
+    so that the LoRA gradients of A are not zero either."""
+    m = lora.apply_lora(bf16_model(dataclasses.replace(BIG, num_hidden_layers=layers)), rank=4, alpha=8)
+    key = jax.random.key(3)
+    for i, name in enumerate(lora.lora_targets(m)):
+        var = getattr(m.layers, name + "_lora_b")
+        var.value = 0.05 * jax.random.normal(jax.random.fold_in(key, i), var.shape)
+    return m
+
+
 def test_lora_step_on_a_bf16_base_multiplies_in_bf16_where_the_cpu_can(monkeypatch):
     """With bf16 dots (a CPU with AVX-512 BF16 or AMX: `amdllm.cpu.has_bf16_dots`), the frozen bf16 base's
     projections and head run as bf16 x bf16 -> float32 dots, forward and backward, and give the loss and
     LoRA gradients of the widening path (to bf16 rounding: dy is rounded to bf16 as PyTorch's does).
     Decoding's one-row matmuls keep widening (slower as bf16 dots on XLA:CPU)."""
     from amdllm.train.step import loss_fn
-    m = lora.apply_lora(bf16_model(dataclasses.replace(BIG, num_hidden_layers=2)), rank=4, alpha=8)
-    key = jax.random.key(3)
-    for i, name in enumerate(lora.lora_targets(m)):
-        var = getattr(m.layers, name + "_lora_b")
-        var.value = 0.05 * jax.random.normal(jax.random.fold_in(key, i), var.shape)
+    m = bf16_lora_model()
     trained, frozen, batch = bits_step_inputs(m)
     layers = frozen["layers"]
     results, counts = {}, {}

@@ -5,8 +5,6 @@ the loss and LoRA gradients of XLA's bf16 dots. These need a CPU with AMX (Intel
 later); elsewhere they are skipped, saying so, and `tiles_available()` must be False there."""
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 
@@ -15,7 +13,7 @@ import jax.numpy as jnp
 
 from amdllm import native
 from amdllm.cpu import cpu_flags
-from amdllm.model import lora, narrow
+from amdllm.model import narrow
 
 AMX = all(f in cpu_flags() for f in native.AMX_FLAGS)
 needs_amx = pytest.mark.skipif(not AMX, reason="this CPU has no AMX tiles: the kernel is not used here")
@@ -69,12 +67,8 @@ def tiles_calls(fn, *args) -> list:
 @needs_amx
 def test_a_lora_step_on_a_bf16_base_runs_on_tiles_reading_the_stack_in_place(monkeypatch):
     from amdllm.train.step import loss_fn
-    from tests.test_fast import BIG, bf16_model, bits_step_inputs
-    m = lora.apply_lora(bf16_model(dataclasses.replace(BIG, num_hidden_layers=2)), rank=4, alpha=8)
-    key = jax.random.key(3)
-    for i, name in enumerate(lora.lora_targets(m)):
-        var = getattr(m.layers, name + "_lora_b")
-        var.value = 0.05 * jax.random.normal(jax.random.fold_in(key, i), var.shape)
+    from tests.test_fast import bf16_lora_model, bits_step_inputs
+    m = bf16_lora_model()
     trained, frozen, batch = bits_step_inputs(m)
     grad = lambda tr: jax.value_and_grad(lambda t: loss_fn(t, frozen, batch, model=m))(tr)  # noqa: E731
     shapes = tiles_calls(grad, trained)
