@@ -40,6 +40,7 @@ from amdllm.cpu import cpu_flags
 
 SOURCE = Path(__file__).with_name("bf16_rows.cc")
 TILES_SOURCE = Path(__file__).with_name("bf16_tiles.cc")
+HEADERS = (Path(__file__).with_name("pool.h"),)  # included by both sources
 MAX_ROWS = 8  # bf16_rows.cc kMaxRows
 TARGETS = {False: "amdllm_bf16_rows_kn", True: "amdllm_bf16_rows_nk"}  # by `transposed`
 TILES_TARGETS = {False: "amdllm_bf16_tiles_kn", True: "amdllm_bf16_tiles_nk"}
@@ -61,11 +62,12 @@ def compiler() -> str | None:
 
 
 def library_name(cxx: str, source: Path = SOURCE) -> str:
-    """The built library's file name: one per source, jaxlib, compiler and CPU (-march=native code may not
-    run on another CPU that shares the cache directory)."""
+    """The built library's file name: one per source (and the headers it includes), jaxlib, compiler and
+    CPU (-march=native code may not run on another CPU that shares the cache directory)."""
     key = hashlib.sha256()
-    for part in (source.read_bytes(), jaxlib.__version__.encode(), cxx.encode(), " ".join(FLAGS).encode(),
-                 platform.machine().encode(), " ".join(sorted(cpu_flags())).encode()):
+    for part in (source.read_bytes(), *(h.read_bytes() for h in HEADERS), jaxlib.__version__.encode(),
+                 cxx.encode(), " ".join(FLAGS).encode(), platform.machine().encode(),
+                 " ".join(sorted(cpu_flags())).encode()):
         key.update(part)
         key.update(b"\0")
     return f"{source.stem}-{key.hexdigest()[:16]}.so"

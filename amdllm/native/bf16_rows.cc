@@ -11,21 +11,20 @@
 //                 and keeps its own [M, N] partial sums, so every thread streams its memory in order.
 //   bf16_rows_nk: W [N, K] (a tied head's embedding table [V, D]). Each thread takes a band of W's rows;
 //                 one dot product per row.
-// The threads are XLA's own intra-op pool (the FFI's ThreadPool); the calling thread works too.
+// The threads are XLA's own intra-op pool (the FFI's ThreadPool; pool.h); the calling thread works too.
 // Built by amdllm/native/__init__.py with the host compiler (-O3 -march=native); the loops are written
 // so that the compiler vectorizes them (16 float32 lanes with AVX-512, 8 with AVX2).
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <functional>
-#include <memory>
-#include <thread>
 #include <vector>
 
+#include "pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using amdllm_native::helpers;
+using amdllm_native::in_parallel;
 
 constexpr int64_t kMaxRows = 8;  // amdllm/native/__init__.py MAX_ROWS
 constexpr int64_t kColumns = 512;  // columns of 4 widened rows staged at once (8 KB: L1)
@@ -143,37 +142,6 @@ static void nk_rows(const float* x, const uint16_t* w, float* y, int64_t K, int6
   }
 }
 
-// run(c, t) for each chunk c < chunks, on the calling thread and the pool's; t numbers the threads that
-// took part (0 for the caller), so that a thread can keep its own partial sums. Chunks are claimed from a
-// counter: the work is shared out as threads become free, the caller finishes it alone if the pool never
-// gets to it (a pool of one thread that is running this very call), and a task that starts late finds
-// nothing left and touches nothing.
-struct Work {
-  std::atomic<int64_t> next{0}, done{0}, threads{1};
-  int64_t chunks = 0;
-  std::function<void(int64_t, int64_t)> run;
-};
-
-static void claim(Work& work, bool caller) {
-  int64_t t = caller ? 0 : -1;
-  for (int64_t c; (c = work.next.fetch_add(1)) < work.chunks;) {
-    if (t < 0) t = work.threads.fetch_add(1);
-    work.run(c, t);
-    work.done.fetch_add(1);
-  }
-}
-
-static void in_parallel(ffi::ThreadPool& pool, int64_t helpers, int64_t chunks,
-                        std::function<void(int64_t, int64_t)> run) {
-  auto work = std::make_shared<Work>();
-  work->chunks = chunks;
-  work->run = std::move(run);
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work]() { claim(*work, false); });
-  claim(*work, true);
-  while (work->done.load() < chunks) std::this_thread::yield();
-}
-
-static int64_t helpers(ffi::ThreadPool& pool) { return std::clamp<int64_t>(pool.num_threads(), 0, 64); }
 
 static int64_t chunk_rows(int64_t n, int64_t threads) {  // about 4 chunks a thread, a multiple of 8 rows
   return std::max<int64_t>(64, ((n + 4 * threads - 1) / (4 * threads) + 7) / 8 * 8);
@@ -200,7 +168,7 @@ static ffi::Error RowsKn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   const int64_t h = helpers(pool), per = chunk_rows(K, h + 1), chunks = (K + per - 1) / per;
   std::vector<float> part(std::min(h, chunks - 1) * M * N, 0.f);  // each helper thread's partial sums
   std::fill(yp, yp + M * N, 0.f);                                  // the caller's
-  in_parallel(pool, std::min(h, chunks - 1), chunks, [&](int64_t c, int64_t t) {
+  in_parallel(pool, h, chunks, [&](int64_t c, int64_t t) {
     const int64_t k0 = c * per, k1 = std::min(K, k0 + per);
     float* out = t == 0 ? yp : part.data() + (t - 1) * M * N;
     if (M == 1) kn_one(xp, wp, out, N, k0, k1);
@@ -221,7 +189,7 @@ static ffi::Error RowsNk(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   const uint16_t* wp = w.typed_data();
   float* yp = y->typed_data();
   const int64_t h = helpers(pool), per = chunk_rows(N, h + 1), chunks = (N + per - 1) / per;
-  in_parallel(pool, std::min(h, chunks - 1), chunks, [&](int64_t c, int64_t) {
+  in_parallel(pool, h, chunks, [&](int64_t c, int64_t) {
     const int64_t n0 = c * per, n1 = std::min(N, n0 + per);
     if (M == 1) nk_one(xp, wp, yp, K, n0, n1);
     else BY_ROWS(nk_rows, M, xp, wp, yp, K, N, n0, n1)

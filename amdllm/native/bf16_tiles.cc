@@ -13,22 +13,22 @@
 // that order (kn: two rows interleaved; nk: 16x16 transposes of 32-bit pairs) right before using it, while
 // it is hot in L2, and reuses it for every block of 32 rows of x. x is packed once, into 32x32 blocks.
 // Each step multiplies a 32x32 block of y: 2 tiles of x by 2 tiles of W into 4 float32 tiles.
-// Threads: XLA's intra-op pool, as bf16_rows.cc. Built by amdllm/native/__init__.py; the functions carry
+// Threads: XLA's intra-op pool (pool.h), as bf16_rows.cc. Built by amdllm/native/__init__.py; the functions carry
 // their own target attributes, so the file compiles on any x86-64 g++/clang++ that knows AMX, and
 // amdllm_tiles_ready() says at run time whether this CPU and kernel let a process use the tiles.
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <functional>
 #include <memory>
-#include <thread>
 #include <vector>
 
+#include "pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using amdllm_native::helpers;
+using amdllm_native::in_parallel;
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -212,31 +212,6 @@ AMX static void columns(const uint16_t* xp, const uint16_t* w, float* y, int64_t
   _tile_release();
 }
 
-// run(c) for each chunk c < chunks on the calling thread and the pool's, chunks claimed from a counter (see
-// bf16_rows.cc: the caller finishes the work alone if the pool never gets to it).
-struct Work {
-  std::atomic<int64_t> next{0}, done{0};
-  int64_t chunks = 0;
-  std::function<void(int64_t)> run;
-};
-
-static void claim(Work& work) {
-  for (int64_t c; (c = work.next.fetch_add(1)) < work.chunks;) {
-    work.run(c);
-    work.done.fetch_add(1);
-  }
-}
-
-static void in_parallel(ffi::ThreadPool& pool, int64_t chunks, std::function<void(int64_t)> run) {
-  auto work = std::make_shared<Work>();
-  work->chunks = chunks;
-  work->run = std::move(run);
-  const int64_t helpers = std::min<int64_t>(std::clamp<int64_t>(pool.num_threads(), 0, 64), chunks - 1);
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work]() { claim(*work); });
-  claim(*work);
-  while (work->done.load() < chunks) std::this_thread::yield();
-}
-
 static ffi::Error Tiles(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16>& x, ffi::Buffer<ffi::U16>& w,
                         ffi::Buffer<ffi::S32>& layer, ffi::Result<ffi::Buffer<ffi::F32>>& y, bool nk) {
   const std::string name = nk ? "bf16_tiles_nk" : "bf16_tiles_kn";
@@ -260,14 +235,14 @@ static ffi::Error Tiles(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16>& x, ffi::B
   Aligned x_buffer;  // per call: an evaluation's x can be large, and is freed on return
   uint16_t* xp = x_buffer.get(mbs * steps * kStep);
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.typed_data());
-  in_parallel(pool, mbs, [&](int64_t mb) { pack_x(xs, M, K, mb, xp); });
+  in_parallel(pool, helpers(pool), mbs, [&](int64_t mb, int64_t) { pack_x(xs, M, K, mb, xp); });
   // groups of column blocks: a panel of about kPanelBytes, and at least 4 groups a thread where N allows
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads() + 1);
+  const int64_t threads = helpers(pool) + 1;
   const int64_t fit = std::max<int64_t>(1, kPanelBytes / (steps * kStep * 2));
   const int64_t group = std::max<int64_t>(1, std::min(fit, nbs / (4 * threads)));
   const int64_t groups = (nbs + group - 1) / group;
   const uint16_t* wp = w.typed_data() + at * K * N;
-  in_parallel(pool, groups, [&](int64_t g) {
+  in_parallel(pool, helpers(pool), groups, [&](int64_t g, int64_t) {
     columns(xp, wp, yp, M, K, N, nk, g * group, std::min(nbs, (g + 1) * group));
   });
   return ffi::Error::Success();
@@ -284,24 +259,20 @@ static ffi::Error Tiles(ffi::ThreadPool&, ffi::Buffer<ffi::BF16>&, ffi::Buffer<f
 
 #endif
 
-static ffi::Error TilesKn(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U16> w,
-                          ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> y) {
-  return Tiles(pool, x, w, layer, y, false);
+template <bool NK>
+static ffi::Error TilesIn(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U16> w,
+                         ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  return Tiles(pool, x, w, layer, y, NK);
 }
 
-static ffi::Error TilesNk(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U16> w,
-                          ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> y) {
-  return Tiles(pool, x, w, layer, y, true);
-}
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Bf16TilesKn, TilesKn,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Bf16TilesKn, TilesIn<false>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::U16>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Bf16TilesNk, TilesNk,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Bf16TilesNk, TilesIn<true>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
