@@ -1,5 +1,5 @@
 """What the CPU back end needs to run fast, in one place: XLA:CPU compiler options for the jitted decode and
-training steps, and one OpenBLAS thread for GPTQ's host-side factorisation. (The model's own CPU fast paths,
+training steps, and one OpenBLAS thread for GPTQ's small host-side factorisations. (The model's own CPU fast paths,
 fused projections and per-layer decoding, are in `amdllm.model.fast`.)"""
 from __future__ import annotations
 

@@ -163,7 +163,7 @@ def main() -> None:
         for method in methods:
             cmd = [sys.executable, "-m", "amdllm.cli", "quantize", "--model", str(model_dir), "--out",
                    str(tmp / method), "--method", method, "--samples", str(args.samples), "--seq-len",
-                   str(args.seq_len), "--group-size", str(args.group_size), "--json"]
+                   str(args.seq_len), "--group-size", str(args.group_size), "--compare-rtn", "--json"]
             out, t = timed_child(cmd + (["--act-order"] if args.act_order else []))
             res = json.loads(out)
             q = checkpoint.load(tmp / method)

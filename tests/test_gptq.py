@@ -130,6 +130,7 @@ def test_matches_reference_loop(bits, G, sym, act, static):
     np.testing.assert_allclose(ours.Q, ref, rtol=0, atol=1e-4 * step)  # same codes, float32 noise
     e_ours, e_ref = reconstruction_error(W, ours.Q, H), reconstruction_error(W, ref, H)
     assert abs(e_ours - e_ref) <= 2e-3 * e_ref
+    assert abs(ours.err - e_ours) <= 1e-3 * e_ours  # the solve's own sum of e^2, less the dampening's part
     assert e_ours < reconstruction_error(W, rtn_quantize(W, spec).Q, H)
 
 
@@ -164,11 +165,13 @@ def test_dead_columns_and_auto_damp():
     H[5, :] = H[:, 5] = 0.0  # an input channel that never fires
     r = gptq_quantize(W, H, QuantSpec(group_size=-1))
     assert np.all(r.Q[:, 5] == 0) and r.damp == 0.01
+    assert abs(r.err - reconstruction_error(W, r.Q, H)) <= 1e-3 * r.err  # a dead column adds nothing
     # indefinite H: fails at percdamp 0.01, must be raised (with a warning) until it factorises
     H2 = H - 0.015 * np.mean(np.diag(H)) * np.eye(128, dtype=np.float32)
     with pytest.warns(UserWarning, match="Cholesky failed"):
         r2 = gptq_quantize(W, H2, QuantSpec(group_size=-1))
     assert 0.01 < r2.damp <= 0.05 and np.all(np.isfinite(r2.Q))
+    assert abs(r2.err - reconstruction_error(W, r2.Q, H2)) <= 1e-3 * abs(r2.err)  # the raised dampening's part
 
 
 def test_bad_settings():

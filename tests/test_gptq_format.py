@@ -269,7 +269,7 @@ def test_quantize_cli_then_eval(tmp_path, capsys):
     (tmp_path / "calib.txt").write_text(text)
     out = tmp_path / "q"
     rc = cli.main(["quantize", "--model", str(ckpt), "--out", str(out), "--calib", str(tmp_path / "calib.txt"),
-                   "--samples", "8", "--seq-len", "32", "--group-size", "32", "--act-order", "--json"])
+                   "--samples", "8", "--seq-len", "32", "--group-size", "32", "--act-order", "--compare-rtn", "--json"])
     assert rc == 0
     res = json.loads(capsys.readouterr().out)
     assert res["format"] == "gptq" and res["gptq_err"] < res["rtn_err"]

@@ -51,7 +51,8 @@ def run_quantize(args) -> dict:
         raise ValueError(f"--group-size {spec.group_size} does not divide the in_features "
                          f"{in_features(model.cfg)} of {model_dir}'s projections; pass --group-size {fitted}"
                          + (" (one group per output row)" if fitted == -1 else " (the largest that fits)"))
-    model, rows = quantize_model(model, windows, spec, method=args.method, progress=not args.json)
+    model, rows = quantize_model(model, windows, spec, method=args.method, progress=not args.json,
+                                 compare_rtn=args.compare_rtn)
     qc = quant_config_dict(spec.bits, spec.group_size, spec.sym, spec.act_order,
                            static_groups=spec.static_groups, damp_percent=spec.percdamp,
                            true_sequential=spec.true_sequential)
@@ -63,7 +64,7 @@ def run_quantize(args) -> dict:
             "sym": spec.sym, "act_order": spec.act_order, "format": qc["checkpoint_format"],
             "seconds": round(time.perf_counter() - t0, 3), "model_bytes": model_bytes(model),
             "gptq_err": sum(r["gptq_err"] for r in rows) if rows else None,
-            "rtn_err": sum(r["rtn_err"] for r in rows) if rows else None, "calibration": calib_report or None}
+            "rtn_err": sum(r["rtn_err"] for r in rows) if rows and args.compare_rtn else None, "calibration": calib_report or None}
 
 
 def add_cli(subparsers) -> None:
@@ -84,6 +85,8 @@ def add_cli(subparsers) -> None:
     p.add_argument("--damp", type=number(0, 1, above=True), default=0.01,
                    help="percdamp (default 0.01, raised if needed)")
     p.add_argument("--no-true-sequential", action="store_true")
+    p.add_argument("--compare-rtn", action="store_true",
+                   help="also report RTN's output error per projection (one more [out, in] x [in, in] product each)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--calib", help="calibration text file (default: the course corpus)")
     add_dataset_args(p, src, what="calibration dataset", default_split="train",

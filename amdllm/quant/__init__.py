@@ -12,6 +12,6 @@ from amdllm.model.quantized import (QuantLinear, dequantize, pack_cols, pack_row
 from amdllm.quant.calibrate import (calibration_windows, devices_needed, model_bytes,  # noqa: F401
                                     paper_bytes, quantize_model)
 from amdllm.quant.gptq import (GROUP_SIZES, SOLVER_BITS, GPTQError, QuantResult, QuantSpec,  # noqa: F401
-                               errors_kwargs, errors_vs_rtn, fake_quant, find_params, fit_group_size,
+                               errors_kwargs, rtn_error, fake_quant, find_params, fit_group_size,
                                gptq_quantize, hessian_inverse, in_features, quantize_codes,
                                reconstruction_error, rtn_quantize)

@@ -173,8 +173,8 @@ def _compile_ahead(fns, spec, layers, chunks, consts, groups, plan, fwd_reuse, r
             jobs.setdefault(("core", N, K), (gptq._gptq_core, (S((N, K), f32), S((K, K), f32), S((K,), bool),
                                                                S((K,), jnp.int32)), kw))
             if report:
-                jobs.setdefault(("err", N, K), (gptq._errors_vs_rtn, (S((N, K), f32), S((N, K), f32), S((K, K), f32),
-                                                                       f32(1)), gptq.errors_kwargs(spec, K)))
+                jobs.setdefault(("err", N, K), (gptq._rtn_error, (S((N, K), f32), S((K, K), f32), f32(1)),
+                                                gptq.errors_kwargs(spec, K)))
     for ci, (xs, c) in enumerate(zip(chunks, consts)):
         jobs[("fwd", ci)] = (forward, (p, S(xs.shape, f32), attn(xs) if fwd_reuse else None, *c), {})
     pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="amdllm-compile")
@@ -195,11 +195,14 @@ def _ready(futures: dict, *keys) -> None:
 
 
 def quantize_model(model, windows, spec, *, method: str = "gptq", batch_size: int = 8,
-                   progress: bool = True, report: bool = True):
+                   progress: bool = True, report: bool = True, compare_rtn: bool = True):
     """Quantize every projection of `model` (dense, float) in place -> (model, rows).
 
-    windows [n, T] int tokens (ignored for RTN). rows: one dict per (layer, projection) with the
-    per-token reconstruction error ||WX-QX||^2 of GPTQ and of RTN on the same inputs (GPTQ only).
+    windows [n, T] int tokens (ignored for RTN). rows (GPTQ with report): one dict per (layer,
+    projection) with the per-token reconstruction error ||WX-QX||^2 of GPTQ, which the solve yields
+    for free (`QuantResult.err`), and with compare_rtn that of RTN on the same inputs: one more
+    [N, K] x [K, K] product per linear (about 15% of the run at the 1B shape), so `amdllm quantize`
+    asks for it only with --compare-rtn.
     """
     expect_model(model, "quantize_model")
     if method not in ("gptq", "rtn"):
@@ -250,7 +253,7 @@ def quantize_model(model, windows, spec, *, method: str = "gptq", batch_size: in
     layers = narrow.carry_bits(layers)
     groups = SEQUENTIAL if spec.true_sequential else (M.PROJECTIONS,)
     plan, fwd_reuse = attention_plan(groups)
-    futures = (_compile_ahead(fns, spec, layers, chunks, consts, groups, plan, fwd_reuse, report)
+    futures = (_compile_ahead(fns, spec, layers, chunks, consts, groups, plan, fwd_reuse, report and compare_rtn)
                if method == "gptq" else {})
     try:
         bar = tqdm(total=L * 7, desc=f"{method} {spec.bits}-bit", disable=not progress)
@@ -277,9 +280,9 @@ def quantize_model(model, windows, spec, *, method: str = "gptq", batch_size: in
                         _ready(futures, ("mend", K), ("core", N, K), ("err", N, K))
                         res = gptq.gptq_quantize(W, H, spec, where=where)
                         if report:  # H / 2: the raw second moment
-                            e_gptq, e_rtn = gptq.errors_vs_rtn(W, res.Q, H, spec, h_scale=0.5)
-                            rows.append({"layer": li, "proj": proj, "gptq_err": e_gptq, "rtn_err": e_rtn,
-                                         "damp": res.damp})
+                            rows.append({"layer": li, "proj": proj, "gptq_err": 0.5 * res.err, "damp": res.damp})
+                            if compare_rtn:
+                                rows[-1]["rtn_err"] = gptq.rtn_error(W, H, spec, h_scale=0.5)
                     else:
                         res = gptq.rtn_quantize(W, spec)
                     p[proj] = jax.device_put(np.ascontiguousarray(res.Q.T))  # later groups/layers see quantized

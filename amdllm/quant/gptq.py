@@ -17,8 +17,7 @@ row's extreme weight sits exactly on a .5 rounding tie, and XLA:CPU's vectorised
 correctly rounded, so one ulp decides the code and the error feedback spreads the flip.)
 
 Where it runs: the upper Cholesky factor of H^-1 on the host when JAX runs on the CPU (LAPACK in
-float32, the reference's torch sequence, on ONE OpenBLAS thread: see `amdllm.cpu.one_blas_thread`), by XLA on
-the device otherwise (retried with more dampening either way: `hessian_inverse`); everything else in
+float32: one Cholesky and one triangular inverse, `_chol_inv_upper`), by XLA on the device otherwise (retried with more dampening either way: `hessian_inverse`); everything else in
 ONE compiled function per weight shape and settings (`_gptq_core`: lax.scan over
 blocks, fori_loop over a block's columns), so a model's layers of identical shapes compile once and
 each linear costs one dispatch.
@@ -29,6 +28,7 @@ re-exports the public names of all of them.
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import dataclass
 from functools import partial
@@ -43,6 +43,10 @@ from amdllm.model.quantized import pack_cols, pack_rows
 
 SOLVER_BITS = (2, 3, 4, 8)
 GROUP_SIZES = (-1, 16, 32, 64, 128, 256, 512, 1024)  # GPTQModel's allowed values
+# in_features from which the host factorisation uses every OpenBLAS thread: at 8192 (a 1B model's down_proj)
+# two threads took 5.2 s against 8.1 s on one; below it a factor takes well under a second
+BLAS_THREADS_FROM = 4096
+SUB_BLOCK = 32  # rows of `_solve_block`'s rank-1 steps
 
 
 class GPTQError(ValueError):
@@ -110,6 +114,7 @@ class QuantResult:
     zeros: np.ndarray
     g_idx: np.ndarray
     damp: float = 0.0
+    err: float | None = None  # GPTQ: tr((W-Q) H (W-Q)^T) for the H given (`reconstruction_error` for that H)
 
     def packed(self, bits: int) -> dict:
         """The dict a QuantLinear holds (per layer; v2 zeros), kernels [in, out]."""
@@ -169,27 +174,29 @@ def rtn_quantize(W, spec: QuantSpec, scale_dtype=jnp.float16) -> QuantResult:
 # --------------------------------------------------------------------------------------------------
 # GPTQ
 # --------------------------------------------------------------------------------------------------
-def _solve_block(W1, U1, col_s, col_z, s, z, *, maxq, sym, gdyn, scale_dtype):
-    """One block of b columns. W1 [N,b]; U1 [b,b] upper; col_s/col_z [N,b] preset params (unused
-    where gdyn>0: then params are recomputed from the *updated* W1 at every gdyn-th column)."""
-    N, b = W1.shape
+def _solve_rows(W1, U1, cs, cz, s, z, *, maxq, sym, gdyn, scale_dtype):
+    """Columns one at a time, held as rows: W1 [b, N] (row i is column i of the reference's [N, b],
+    so each step reads and writes contiguous rows); U1 [b, b] upper; cs/cz [b, N] the columns' preset
+    params (unused where gdyn > 0: then the params are recomputed from the *updated* W1 at every
+    gdyn-th column) -> Q1, C1, E1, S1, Z1 [b, N], and the last (s, z)."""
+    b, N = W1.shape
 
     def body(i, c):
         W1, Q1, C1, E1, S1, Z1, s, z = c
-        w = jax.lax.dynamic_index_in_dim(W1, i, axis=1, keepdims=False)       # [N]
+        w = jax.lax.dynamic_index_in_dim(W1, i, axis=0, keepdims=False)       # [N]
         if gdyn:
             s, z = jax.lax.cond(i % gdyn == 0,
-                                lambda: find_params(jax.lax.dynamic_slice_in_dim(W1, i, gdyn, axis=1),
+                                lambda: find_params(jax.lax.dynamic_slice_in_dim(W1, i, gdyn, axis=0).T,
                                                     maxq, sym, scale_dtype),
                                 lambda: (s, z))
         else:
-            s = jax.lax.dynamic_index_in_dim(col_s, i, axis=1, keepdims=False)
-            z = jax.lax.dynamic_index_in_dim(col_z, i, axis=1, keepdims=False)
+            s = jax.lax.dynamic_index_in_dim(cs, i, axis=0, keepdims=False)
+            z = jax.lax.dynamic_index_in_dim(cz, i, axis=0, keepdims=False)
         code = quantize_codes(w, s, z, maxq)
         q = s * (code - z)
         e = (w - q) / U1[i, i]                                                # [N]
-        W1 = W1 - e[:, None] * U1[i][None, :]  # U1 is upper triangular: columns < i are untouched
-        upd = lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, i, axis=1)  # noqa: E731
+        W1 = W1 - U1[i][:, None] * e[None, :]  # U1 is upper triangular: rows < i are untouched
+        upd = lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, i, axis=0)  # noqa: E731
         return W1, upd(Q1, q), upd(C1, code), upd(E1, e), upd(S1, s), upd(Z1, z), s, z
 
     zeros = jnp.zeros_like(W1)
@@ -197,22 +204,44 @@ def _solve_block(W1, U1, col_s, col_z, s, z, *, maxq, sym, gdyn, scale_dtype):
     return Q1, C1, E1, S1, Z1, s, z
 
 
+def _solve_block(W1, U1, cs, cz, s, z, *, maxq, sym, gdyn, scale_dtype, sub=SUB_BLOCK):
+    """One block of b columns as rows (W1 [b, N]), in sub-blocks of `sub` rows: each column's rank-1
+    update reaches only the rest of its sub-block, and one GEMM per sub-block brings the block's later
+    rows up to date (the lazy batch update again, one level down: the same arithmetic in a different
+    order). The rank-1 steps, which touch a whole [rows, N] array each, were most of the solve.
+    A dynamic group (gdyn) must lie within one sub-block: its params are read from updated rows."""
+    b, N = W1.shape
+    sub = min(b, max(sub, gdyn))
+    if b % sub:
+        sub = b
+    outs = []
+    for j0 in range(0, b, sub):
+        j1 = j0 + sub
+        Q, C, E, S, Z, s, z = _solve_rows(W1[:sub], U1[j0:j1, j0:j1], cs[j0:j1], cz[j0:j1], s, z, maxq=maxq,
+                                          sym=sym, gdyn=gdyn, scale_dtype=scale_dtype)
+        W1 = W1[sub:] - U1[j0:j1, j1:].T @ E                                   # [b - j1, N]
+        outs.append((Q, C, E, S, Z))
+    Q1, C1, E1, S1, Z1 = (jnp.concatenate(o) for o in zip(*outs))
+    return Q1, C1, E1, S1, Z1, s, z
+
+
 def _chol_inv_upper(H, damp):
-    """Upper U with U^T U = (H + damp I)^-1, or None if H + damp I is not positive definite:
-    LAPACK potrf -> potri -> potrf(upper) in float32 on the host, the reference's torch sequence
-    (cholesky -> cholesky_inverse -> cholesky(upper)). Not in XLA: its triangular solves took longer
+    """Upper U with U^T U = (H + damp I)^-1, or None if H + damp I is not positive definite, by
+    LAPACK in float32 on the host. With P the reversal of the index order, P (H + damp I) P = L L^T
+    gives U = P L^-1 P: one Cholesky and one triangular inverse (potrf, trtri), half the work of the
+    reference's torch sequence (cholesky -> cholesky_inverse -> cholesky(upper); the same factor up
+    to rounding, as tests/test_gptq.py checks against it). Not in XLA: its triangular solves took longer
     to compile (per shape) than the whole factorisation takes here, and a failure is an info code."""
-    Hd = np.array(H, np.float32, copy=True)
+    Hd = np.array(H[::-1, ::-1], np.float32, copy=True)
     Hd[np.diag_indices_from(Hd)] += np.float32(damp)
-    L, info = lapack.spotrf(Hd, lower=1)
+    L, info = lapack.spotrf(Hd, lower=1, overwrite_a=1)
     if info != 0:
         return None
-    Hinv, info = lapack.spotri(L, lower=1)                 # lower triangle of (L L^T)^-1
+    Li, info = lapack.strtri(L, lower=1, overwrite_c=1)
     if info != 0:
         return None
-    Hinv = np.tril(Hinv) + np.tril(Hinv, -1).T
-    U, info = lapack.spotrf(Hinv, lower=0)                 # upper, other triangle zeroed
-    return U if info == 0 and np.all(np.isfinite(U)) else None
+    U = np.ascontiguousarray(Li[::-1, ::-1])
+    return U if np.all(np.isfinite(U)) else None
 
 
 @jax.jit
@@ -236,8 +265,8 @@ def hessian_inverse(H, percdamp: float, where: str = "layer", on_host: bool | No
     mean_diag = float(np.mean(np.diag(H))) if on_host else float(jnp.mean(jnp.diag(H)))
     p = percdamp
     while p < 1.0:
-        if on_host:
-            with one_blas_thread():
+        if on_host:  # small factors on one thread (see `one_blas_thread`); the large ones on all cores
+            with one_blas_thread() if H.shape[0] < BLAS_THREADS_FROM else contextlib.nullcontext():
                 U = _chol_inv_upper(H, p * mean_diag)
         else:
             U, ok = _chol_inv_upper_device(H, jnp.float32(p * mean_diag))
@@ -256,7 +285,10 @@ def _gptq_core(W, U, dead, perm, *, maxq, sym, G, B, static_groups, scale_dtype)
     """The whole solve as ONE compiled function per (shape, settings): a Python loop over blocks
     here would cost an eager dispatch (and a compile per shape) for every slice and update.
     W [N, K] original order; U [K, K] for the permuted columns; dead [K] bool; perm [K] (identity
-    without act-order). Returns Q, codes, per-column scale/zero, all [N, K] in the original order."""
+    without act-order). Returns Q, codes, per-column scale/zero, all [N, K] in the original order, and
+    for the error (`gptq_quantize`) each block's sum of e^2 and ||W - Q||^2 (dead columns zeroed). Inside, the weights are held transposed ([K, N]): the solve walks the input columns one at a
+    time, and as rows each one is contiguous (as [N, K] columns, each step's reads and five writes
+    touched a cache line per output row, and took most of the time)."""
     N, K = W.shape
     fp = partial(find_params, maxq=maxq, sym=sym, scale_dtype=scale_dtype)
     W = jnp.where(dead[None, :], 0.0, W)
@@ -264,46 +296,46 @@ def _gptq_core(W, U, dead, perm, *, maxq, sym, G, B, static_groups, scale_dtype)
     # static groups; otherwise computed during the solve from the updated weights (see `block`)
     if G == -1:
         s0, z0 = fp(W)
-        col_s, col_z = jnp.broadcast_to(s0[:, None], (N, K)), jnp.broadcast_to(z0[:, None], (N, K))
+        col_s, col_z = jnp.broadcast_to(s0[None, :], (K, N)), jnp.broadcast_to(z0[None, :], (K, N))
     elif static_groups:
         ss, zz = jax.vmap(fp)(W.reshape(N, K // G, G).transpose(1, 0, 2))     # [n_g, N]
-        col_s, col_z = ss[jnp.arange(K) // G].T, zz[jnp.arange(K) // G].T
+        col_s, col_z = ss[jnp.arange(K) // G], zz[jnp.arange(K) // G]
     else:
-        col_s = col_z = jnp.ones((N, K), jnp.float32)
+        col_s = col_z = jnp.ones((K, N), jnp.float32)
     mode = "preset" if G == -1 or static_groups else ("group" if G % B == 0 else "dyn")
-    W, col_s, col_z = W[:, perm], col_s[:, perm], col_z[:, perm]
+    Wt, col_s, col_z = W.T[perm], col_s[perm], col_z[perm]                   # [K, N], permuted rows
     # pad to whole blocks: zero weights on an identity corner quantize to 0 and feed back nothing
     Kp = -(-K // B) * B
     if Kp != K:
-        W = jnp.pad(W, ((0, 0), (0, Kp - K)))
+        Wt = jnp.pad(Wt, ((0, Kp - K), (0, 0)))
         U = jnp.pad(U, ((0, Kp - K), (0, Kp - K))) + jnp.diag(jnp.arange(Kp) >= K).astype(U.dtype)
-        col_s, col_z = (jnp.pad(a, ((0, 0), (0, Kp - K)), constant_values=1.0) for a in (col_s, col_z))
+        col_s, col_z = (jnp.pad(a, ((0, Kp - K), (0, 0)), constant_values=1.0) for a in (col_s, col_z))
     gdyn = G if mode == "dyn" else 0
-    cols = jnp.arange(Kp)
+    rows = jnp.arange(Kp)
 
     def block(carry, i1):
-        W, s, z = carry
-        W1 = jax.lax.dynamic_slice_in_dim(W, i1, B, axis=1)
+        Wt, s, z = carry
+        W1 = jax.lax.dynamic_slice_in_dim(Wt, i1, B, axis=0)                  # [B, N]
         U1 = jax.lax.dynamic_slice(U, (i1, i1), (B, B))
-        cs = jax.lax.dynamic_slice_in_dim(col_s, i1, B, axis=1)
-        cz = jax.lax.dynamic_slice_in_dim(col_z, i1, B, axis=1)
+        cs = jax.lax.dynamic_slice_in_dim(col_s, i1, B, axis=0)
+        cz = jax.lax.dynamic_slice_in_dim(col_z, i1, B, axis=0)
         if mode == "group":  # groups start at block starts: params from W, which is exact there
-            s, z = jax.lax.cond(i1 % G == 0, lambda: fp(jax.lax.dynamic_slice_in_dim(W, i1, G, axis=1)),
+            s, z = jax.lax.cond(i1 % G == 0, lambda: fp(jax.lax.dynamic_slice_in_dim(Wt, i1, G, axis=0).T),
                                 lambda: (s, z))
-            cs, cz = jnp.broadcast_to(s[:, None], (N, B)), jnp.broadcast_to(z[:, None], (N, B))
+            cs, cz = jnp.broadcast_to(s[None, :], (B, N)), jnp.broadcast_to(z[None, :], (B, N))
         Q1, C1, E1, S1, Z1, s, z = _solve_block(W1, U1, cs, cz, s, z, maxq=maxq, sym=sym, gdyn=gdyn,
                                                 scale_dtype=scale_dtype)
-        # lazy batch update of the columns right of the block: one [N,B] @ [B,Kp] GEMM (the full
-        # width keeps shapes static; U's rows are zero left of the block, the mask drops the block)
-        upd = E1 @ jax.lax.dynamic_slice_in_dim(U, i1, B, axis=0)
-        W = W - jnp.where(cols[None, :] >= i1 + B, upd, 0.0)
-        return (W, s, z), (Q1, C1, S1, Z1)
+        # lazy batch update of the rows below the block: one [Kp,B] @ [B,N] GEMM (the full height
+        # keeps shapes static; U's rows are zero left of the block, the mask drops the block)
+        upd = jax.lax.dynamic_slice_in_dim(U, i1, B, axis=0).T @ E1              # [Kp, N]
+        Wt = Wt - jnp.where(rows[:, None] >= i1 + B, upd, 0.0)
+        return (Wt, s, z), (Q1, C1, S1, Z1, jnp.sum(E1 * E1))
 
     ones = jnp.ones((N,), jnp.float32)
-    _, outs = jax.lax.scan(block, (W, ones, ones), jnp.arange(0, Kp, B))
+    _, (*outs, e2) = jax.lax.scan(block, (Wt, ones, ones), jnp.arange(0, Kp, B))
     inv = jnp.argsort(perm)
-    Q, C, S, Z = (o.transpose(1, 0, 2).reshape(N, Kp)[:, :K][:, inv] for o in outs)  # original order
-    return Q, C, S, Z
+    Q, C, S, Z = (o.reshape(Kp, N)[:K][inv].T for o in outs)  # original order, [N, K]
+    return Q, C, S, Z, e2, jnp.sum(jnp.square(W - Q))
 
 
 def core_kwargs(spec: QuantSpec, scale_dtype=jnp.float16) -> dict:
@@ -338,7 +370,11 @@ def gptq_quantize(W, H, spec: QuantSpec, scale_dtype=jnp.float16, where: str = "
         H = H[perm][:, perm]
     U, p = hessian_inverse(H, spec.percdamp, where)  # H moves to the host only to be factored there
     # device_put, not jnp.asarray: the latter compiles a small "stage" program per shape and dtype
-    Q, C, S, Z = (np.asarray(a) for a in _gptq_core(W, U, jax.device_put(dead), jax.device_put(perm), **kw))
+    Q, C, S, Z, e2, d2 = (np.asarray(a) for a in _gptq_core(W, U, jax.device_put(dead), jax.device_put(perm), **kw))
+    # the solve's own error: W - Q = E U, with U^T U = (H' + damp I)^-1 for the mended H', so
+    # sum(E^2) = tr((W-Q)(H' + damp I)(W-Q)^T), and H' differs from H only on dead columns, where W - Q = 0
+    damp = p * (float(np.mean(diag, dtype=np.float64)) + float(np.mean(dead)))  # hessian_inverse's mean diag
+    err = float(np.sum(e2, dtype=np.float64)) - damp * float(d2)
     inv = np.argsort(perm)
     if spec.act_order and not kw["static_groups"]:
         g_idx = (inv // G).astype(np.int32)  # g_idx[k] = (position of column k in perm) // G
@@ -347,7 +383,7 @@ def gptq_quantize(W, H, spec: QuantSpec, scale_dtype=jnp.float16, where: str = "
     ng = K // G
     scales, zeros = np.zeros((ng, N), np.float32), np.zeros((ng, N), np.int32)
     scales[g_idx], zeros[g_idx] = S.T, Z.T.astype(np.int32)  # every column of a group agrees
-    return QuantResult(Q, C.astype(np.int32), scales, zeros, g_idx, p)
+    return QuantResult(Q, C.astype(np.int32), scales, zeros, g_idx, p, err)
 
 
 @jax.jit
@@ -362,22 +398,18 @@ def reconstruction_error(W, Q, H) -> float:
 
 
 @partial(jax.jit, static_argnames=("maxq", "sym", "G", "scale_dtype"))
-def _errors_vs_rtn(W, Q, H, h_scale, *, maxq, sym, G, scale_dtype):
-    H = H * h_scale
-    return _recon_err(W, Q, H), _recon_err(W, _rtn_core(W, maxq=maxq, sym=sym, G=G, scale_dtype=scale_dtype)[0], H)
+def _rtn_error(W, H, h_scale, *, maxq, sym, G, scale_dtype):
+    return _recon_err(W, _rtn_core(W, maxq=maxq, sym=sym, G=G, scale_dtype=scale_dtype)[0], H * h_scale)
 
 
-def errors_vs_rtn(W, Q, H, spec: QuantSpec, scale_dtype=jnp.float16, h_scale: float = 1.0
-                  ) -> tuple[float, float]:
-    """(reconstruction_error of Q, that of RTN on the same grid) for the second moment h_scale * H, in
-    one compiled call: calibration reports this for every linear, and as separate eager ops it cost a
-    third of the whole run."""
-    W, Q, H = (jax.device_put(np.asarray(a, np.float32)) if isinstance(a, np.ndarray) else
-               jnp.asarray(a, jnp.float32) for a in (W, Q, H))
-    e = _errors_vs_rtn(W, Q, H, jnp.float32(h_scale), **errors_kwargs(spec, W.shape[1], scale_dtype))
-    return float(e[0]), float(e[1])
+def rtn_error(W, H, spec: QuantSpec, scale_dtype=jnp.float16, h_scale: float = 1.0) -> float:
+    """reconstruction_error of RTN on GPTQ's grid for the second moment h_scale * H, in one compiled
+    call: calibration reports it beside GPTQ's own (`QuantResult.err`) for every linear."""
+    W, H = (jax.device_put(np.asarray(a, np.float32)) if isinstance(a, np.ndarray) else
+            jnp.asarray(a, jnp.float32) for a in (W, H))
+    return float(_rtn_error(W, H, jnp.float32(h_scale), **errors_kwargs(spec, W.shape[1], scale_dtype)))
 
 
 def errors_kwargs(spec: QuantSpec, K: int, scale_dtype=jnp.float16) -> dict:
-    """The static settings `_errors_vs_rtn` is compiled for, in_features K (also amdllm.quant.calibrate's compile-ahead)."""
+    """The static settings `_rtn_error` is compiled for, in_features K (also amdllm.quant.calibrate's compile-ahead)."""
     return dict(maxq=spec.maxq, sym=spec.sym, G=spec.groups(K), scale_dtype=jnp.dtype(scale_dtype).name)
