@@ -64,7 +64,8 @@ def run_quantize(args) -> dict:
             "sym": spec.sym, "act_order": spec.act_order, "format": qc["checkpoint_format"],
             "seconds": round(time.perf_counter() - t0, 3), "model_bytes": model_bytes(model),
             "gptq_err": sum(r["gptq_err"] for r in rows) if rows else None,
-            "rtn_err": sum(r["rtn_err"] for r in rows) if rows and args.compare_rtn else None, "calibration": calib_report or None}
+            "rtn_err": sum(r["rtn_err"] for r in rows) if rows and args.compare_rtn else None,
+            "calibration": calib_report or None}
 
 
 def add_cli(subparsers) -> None:

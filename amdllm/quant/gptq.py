@@ -17,10 +17,10 @@ row's extreme weight sits exactly on a .5 rounding tie, and XLA:CPU's vectorised
 correctly rounded, so one ulp decides the code and the error feedback spreads the flip.)
 
 Where it runs: the upper Cholesky factor of H^-1 on the host when JAX runs on the CPU (LAPACK in
-float32: one Cholesky and one triangular inverse, `_chol_inv_upper`), by XLA on the device otherwise (retried with more dampening either way: `hessian_inverse`); everything else in
-ONE compiled function per weight shape and settings (`_gptq_core`: lax.scan over
-blocks, fori_loop over a block's columns), so a model's layers of identical shapes compile once and
-each linear costs one dispatch.
+float32: one Cholesky and one triangular inverse, `_chol_inv_upper`), by XLA on the device otherwise
+(retried with more dampening either way: `hessian_inverse`); everything else in ONE compiled function
+per weight shape and settings (`_gptq_core`: lax.scan over blocks, fori_loop over a block's columns in
+sub-blocks), so a model's layers of identical shapes compile once and each linear costs one dispatch.
 
 Packing and the quantized matmul live in `amdllm.model.quantized`, checkpoint I/O in
 `amdllm.io.gptq_format`, calibration through the model in `amdllm.quant.calibrate`; `amdllm.quant`
@@ -286,7 +286,8 @@ def _gptq_core(W, U, dead, perm, *, maxq, sym, G, B, static_groups, scale_dtype)
     here would cost an eager dispatch (and a compile per shape) for every slice and update.
     W [N, K] original order; U [K, K] for the permuted columns; dead [K] bool; perm [K] (identity
     without act-order). Returns Q, codes, per-column scale/zero, all [N, K] in the original order, and
-    for the error (`gptq_quantize`) each block's sum of e^2 and ||W - Q||^2 (dead columns zeroed). Inside, the weights are held transposed ([K, N]): the solve walks the input columns one at a
+    for the error (`gptq_quantize`) each block's sum of e^2 and ||W - Q||^2 (dead columns zeroed).
+    Inside, the weights are held transposed ([K, N]): the solve walks the input columns one at a
     time, and as rows each one is contiguous (as [N, K] columns, each step's reads and five writes
     touched a cache line per output row, and took most of the time)."""
     N, K = W.shape
