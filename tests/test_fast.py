@@ -186,6 +186,9 @@ def llama_token_nll(logits, targets):
 def test_blocked_head_and_nll_equal_the_whole_head(monkeypatch, tied):
     """By vocabulary blocks, with a remainder block (1000 = 3 x 333 + 1), tied or not, narrow or not."""
     monkeypatch.setattr(narrow, "HEAD_BLOCK", 300)
+    # the blocks' arithmetic against the whole head's, both widened: 15 rows would take bf16_dot where the
+    # AMX kernel runs (bf16 activations; tests/test_tiles.py checks that path)
+    monkeypatch.setattr(narrow, "TILES_MIN_ROWS", narrow.BF16_DOT_MIN_ROWS)
     cfg = dataclasses.replace(BIG, tie_word_embeddings=tied)
     for dtype in (jnp.bfloat16, jnp.float32):
         m = Llama(cfg, rngs=nnx.Rngs(1), param_dtype=dtype, dtype=jnp.float32)

@@ -9,8 +9,9 @@
     XLA:CPU runs those dots about 2x faster than float32 (the 1B LoRA step: 43 -> 63-73 tokens/s). From
     BF16_DOT_MIN_ROWS rows up: decoding's one-row products stay widened, which is faster there.
     Where the CPU has AMX tiles, those products run in a C++ kernel instead (`amdllm.native.tiles_times`,
-    about 2x XLA's bf16 dots at the 1B shape), which also reads the layer scan's stacked weights in place
-    (`hold_stacked`, `HeldBits`): no copy of each layer's slice, forward and backward.
+    about 2x XLA's bf16 dots at the 1B shape), from TILES_MIN_ROWS rows up (a short prompt's prefill
+    too), and it reads the layer scan's stacked weights in place (`hold_stacked`, `HeldBits`): no copy
+    of each layer's slice, forward and backward.
   * A few rows (decoding, up to `native.MAX_ROWS`) times bfloat16 weights run in a C++ kernel that reads
     the weights as they lie (`amdllm.native.rows_times`; `native_rows_for`), where it could be built.
 CPU only: elsewhere `carry_bits` leaves arrays as they are. `amdllm.model.fast` composes these into its
@@ -32,6 +33,9 @@ from amdllm.model.layers import head as llama_head
 HEAD_BLOCK = 8192  # vocabulary rows per head block: [rows, 8192] float32 logits; 64 MB of float32 weights (D 2048)
 HEAD_GEMV_MAX_ROWS = 1  # up to this many rows, a tied head multiplies the table as it lies (`head_product`)
 BF16_DOT_MIN_ROWS = 64  # below this (decoding), XLA:CPU's bf16 dots lose to widening (1B shape: 2.5 vs 3.2 tokens/s)
+# with AMX, every product of more rows than the row kernel takes runs on the tiles: a short prompt's
+# prefill no longer widens each layer (docs/benchmark-history.md, "Decoding and prefill")
+TILES_MIN_ROWS = native.MAX_ROWS + 1
 
 
 @jax.tree_util.register_pytree_node_class
@@ -171,8 +175,15 @@ def hold_stacked(layers: dict):
 
 
 def bf16_dots_for(w, rows: int) -> bool:
-    """Whether a matmul of `rows` rows by narrow weights `w` runs as `bf16_dot`."""
-    return _is_bits(w) and w.dtype == jnp.bfloat16 and rows >= BF16_DOT_MIN_ROWS and has_bf16_dots()
+    """Whether a matmul of `rows` rows by narrow weights `w` runs as `bf16_dot`: from BF16_DOT_MIN_ROWS
+    rows, or where the AMX kernel runs it, from TILES_MIN_ROWS (`bf16_dot_min_rows`)."""
+    return _is_bits(w) and w.dtype == jnp.bfloat16 and rows >= bf16_dot_min_rows() and has_bf16_dots()
+
+
+def bf16_dot_min_rows() -> int:
+    """The fewest rows `bf16_dot` takes: TILES_MIN_ROWS where the AMX kernel runs (`native.tiles_available`),
+    else BF16_DOT_MIN_ROWS."""
+    return TILES_MIN_ROWS if native.tiles_available() else BF16_DOT_MIN_ROWS
 
 
 def native_rows_for(w, rows: int) -> bool:
