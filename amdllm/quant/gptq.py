@@ -44,7 +44,8 @@ from amdllm.model.quantized import pack_cols, pack_rows
 SOLVER_BITS = (2, 3, 4, 8)
 GROUP_SIZES = (-1, 16, 32, 64, 128, 256, 512, 1024)  # GPTQModel's allowed values
 # in_features from which the host factorisation uses every OpenBLAS thread: at 8192 (a 1B model's down_proj)
-# two threads took 5.2 s against 8.1 s on one; below it a factor takes well under a second
+# two threads took 5.2 s against 8.1 s on one (the factor's rounding then follows OpenBLAS's thread count);
+# below it a factor takes well under a second
 BLAS_THREADS_FROM = 4096
 SUB_BLOCK = 32  # rows of `_solve_block`'s rank-1 steps
 
