@@ -138,7 +138,7 @@ def test_a_kernel_that_cannot_be_built_is_a_warning_and_xla_decodes(tmp_path, mo
 
 
 def test_the_engine_holds_a_bf16_cache_as_bits_and_decodes_as_generate(bf16_ckpt):
-    """The server's engine keeps a bf16 cache as uint16 bits between steps (`engine.HeldCache`: XLA:CPU
+    """The server's engine keeps a bf16 cache as uint16 bits between steps (`batch_cache.HeldCache`: XLA:CPU
     widens a whole bf16 buffer to write one row) and reads floats back for the rows a step runs. Three
     requests at once (rows joining, finishing and moving) give each prompt's tokens from `generate`."""
     import threading

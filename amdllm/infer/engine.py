@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from amdllm.infer.batch_cache import HeldCache, pad_slots, put_row, roll_slots, row_of
 from amdllm.infer.decode import inference_run, last_logits, sample_rows, step_logits
 from amdllm.model import KVCache, to_pure
 from amdllm.cpu import cpu_compiler_options
@@ -114,53 +115,9 @@ class TextStream:
         return delta
 
 
-# A cache part is stacked [L, B, Hkv, S, hd] or per-layer, a tuple of [B, Hkv, S, hd]: the same edits on both
-def _row_of(c, row, n=1):
-    """Rows [row, row + n) of a cache part."""
-    if isinstance(c, tuple):
-        return tuple(jax.lax.dynamic_slice_in_dim(x, row, n, axis=0) for x in c)
-    return jax.lax.dynamic_slice_in_dim(c, row, n, axis=1)
-
-
-def _put_row(c, sub, row):
-    if isinstance(c, tuple):
-        return tuple(jax.lax.dynamic_update_slice_in_dim(x, s, row, axis=0) for x, s in zip(c, sub))
-    return jax.lax.dynamic_update_slice_in_dim(c, sub, row, axis=1)
-
-
-def _roll_slots(c, m):
-    return tuple(jnp.roll(x, m, axis=2) for x in c) if isinstance(c, tuple) else jnp.roll(c, m, axis=3)
-
-
 def _pow2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1): the buckets that bound how often a step compiles."""
     return 1 << (max(n, 1) - 1).bit_length()
-
-
-def _pad_slots(c, n):
-    """n more (zero) slots at the end of every row."""
-    pad = lambda x, axis: jnp.pad(x, [(0, n if a == axis else 0) for a in range(x.ndim)])  # noqa: E731
-    return tuple(pad(x, 2) for x in c) if isinstance(c, tuple) else pad(c, 3)
-
-
-class HeldCache:
-    """How the engine keeps its cache's keys and values between steps: on a CPU, bfloat16/float16 ones as
-    their bits (uint16), read back as floats only for the rows a step runs. XLA:CPU has no narrow
-    dynamic-update-slice: writing a step's rows back into a bf16 [B, Hkv, S, hd] cache widened the whole
-    buffer to float32 and back, per layer (8 x 8 x 256 x 64: 1.27 ms against 0.02 for the same write in
-    uint16, 2 cores; the 1B shape served in bf16 went from 0.213 to 0.157 s a decoded token, BENCHMARKS.md
-    run 9). The moves, shifts and growth that keep the batch in place work on the bits as they are (zero
-    bits are 0.0)."""
-
-    def __init__(self, dtype):
-        dt = jnp.dtype(dtype)
-        self.narrow = jax.default_backend() == "cpu" and jnp.issubdtype(dt, jnp.floating) and dt.itemsize == 2
-
-    def hold(self, x):
-        return jax.lax.bitcast_convert_type(x, jnp.uint16) if self.narrow else x
-
-    def release(self, x, dtype):
-        return jax.lax.bitcast_convert_type(x, dtype) if self.narrow else x
 
 
 class Engine:
@@ -216,9 +173,9 @@ class Engine:
             # one request into cache row `row`: tokens/positions/seg [1, P] left-padded, written at
             # slots [start, start+P); the row's other slots become invalid
             S = cache.valid.shape[1]
-            sub = KVCache(as_floats(_row_of(cache.k, row)), as_floats(_row_of(cache.v, row)), jnp.zeros((1, S), bool))
+            sub = KVCache(as_floats(row_of(cache.k, row)), as_floats(row_of(cache.v, row)), jnp.zeros((1, S), bool))
             last, sub = last_logits(cfg, run, top, layers, tokens, positions, seg, sub, start)   # [1, V]
-            cache = KVCache(_put_row(cache.k, as_held(sub.k), row), _put_row(cache.v, as_held(sub.v), row),
+            cache = KVCache(put_row(cache.k, as_held(sub.k), row), put_row(cache.v, as_held(sub.v), row),
                             jax.lax.dynamic_update_slice(cache.valid, sub.valid, (row, 0)))
             tok = sample(last, key[None], jnp.zeros((1,), jnp.int32), temp, top_p)
             return tok[0], cache
@@ -227,21 +184,21 @@ class Engine:
             # tok/pos/active/k/temp/top_p [n]: the cache's first n rows; every row writes slot c; inactive
             # rows stay invalid
             n = tok.shape[0]
-            sub = KVCache(as_floats(_row_of(cache.k, 0, n)), as_floats(_row_of(cache.v, 0, n)), cache.valid[:n])
+            sub = KVCache(as_floats(row_of(cache.k, 0, n)), as_floats(row_of(cache.v, 0, n)), cache.valid[:n])
             logits, sub = step_logits(cfg, run, top, layers, tok, pos, active, sub, c)     # [n, V]
-            cache = KVCache(_put_row(cache.k, as_held(sub.k), 0), _put_row(cache.v, as_held(sub.v), 0),
+            cache = KVCache(put_row(cache.k, as_held(sub.k), 0), put_row(cache.v, as_held(sub.v), 0),
                             jax.lax.dynamic_update_slice(cache.valid, sub.valid, (0, 0)))
             return sample(logits, keys, k, temp, top_p), cache
 
         def move(cache, src, dst):  # row src's slots into row dst
             valid = jax.lax.dynamic_slice_in_dim(cache.valid, src, 1)
-            return KVCache(_put_row(cache.k, _row_of(cache.k, src), dst), _put_row(cache.v, _row_of(cache.v, src), dst),
+            return KVCache(put_row(cache.k, row_of(cache.k, src), dst), put_row(cache.v, row_of(cache.v, src), dst),
                            jax.lax.dynamic_update_slice(cache.valid, valid, (dst, 0)))
 
         def shift(cache, m):  # move every row's slots m to the left; wrapped-in slots are invalid
             S = cache.valid.shape[1]
             valid = jnp.roll(cache.valid, -m, axis=1) & (jnp.arange(S) < S - m)[None]
-            return KVCache(_roll_slots(cache.k, -m), _roll_slots(cache.v, -m), valid)
+            return KVCache(roll_slots(cache.k, -m), roll_slots(cache.v, -m), valid)
 
         # the cache is donated: XLA may update it in place instead of copying [L, B, Hkv, S, hd] twice a
         # step (jax 0.10's CPU client implements donation too)
@@ -250,7 +207,7 @@ class Engine:
                              compiler_options=cpu_compiler_options("decode", cfg.hidden_size))
         self._shift = jax.jit(shift, donate_argnums=(0,))
         self._move = jax.jit(move, donate_argnums=(0,))
-        self._grow = jax.jit(lambda cache, n: KVCache(_pad_slots(cache.k, n), _pad_slots(cache.v, n),
+        self._grow = jax.jit(lambda cache, n: KVCache(pad_slots(cache.k, n), pad_slots(cache.v, n),
                                                       jnp.pad(cache.valid, [(0, 0), (0, n)])),
                              static_argnums=(1,), donate_argnums=(0,))
 
