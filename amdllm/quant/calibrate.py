@@ -145,7 +145,7 @@ def _calibration_fns(cfg_json: str):
     return second_moments, forward, layer_params, hessian, rope_mask
 
 
-def _compile_ahead(fns, spec, layers, chunks, consts, groups, plan, fwd_reuse, report: bool) -> dict:
+def _compile_ahead(fns, spec, layers, chunks, consts, groups, plan, fwd_reuse, rtn: bool) -> dict:
     """Start compiling, on 2 background threads, every function the GPTQ layer loop will call, in the
     order it needs them -> {key: future}; `_ready` waits for one before its first call.
 
@@ -172,7 +172,7 @@ def _compile_ahead(fns, spec, layers, chunks, consts, groups, plan, fwd_reuse, r
             jobs.setdefault(("mend", K), (gptq._mend_dead, (S((K, K), f32),), {}))
             jobs.setdefault(("core", N, K), (gptq._gptq_core, (S((N, K), f32), S((K, K), f32), S((K,), bool),
                                                                S((K,), jnp.int32)), kw))
-            if report:
+            if rtn:  # the report's RTN comparison
                 jobs.setdefault(("err", N, K), (gptq._rtn_error, (S((N, K), f32), S((K, K), f32), f32(1)),
                                                 gptq.errors_kwargs(spec, K)))
     for ci, (xs, c) in enumerate(zip(chunks, consts)):
