@@ -11,7 +11,8 @@ use only the first rows of the vocabulary; tokenization is not what is measured)
                       rates, prefill excluded on both sides
   quantize            `amdllm quantize` 4-bit g128, 16 x 256 calibration   vs GPTQModel (when installed)
   finetune            `amdllm finetune`, 4 steps, batch 1 x 256, r8, at its default (the checkpoint's bf16) and
-                      in float32     vs peft + torch AdamW in its faster dtype here (both are run)
+                      in float32     vs peft + torch AdamW in its faster dtype here (both are run where the
+                      CPU has bf16 instructions; float32 alone where it has not: PyTorch's bf16 is slow there)
   serve               `amdllm serve` (auto, float32) start, then warm chat requests of 1 and 33 tokens: the time
                       per decoded token is their difference over 32 (compare generate's)   (no peer)
   convert             `amdllm convert` to float16    vs transformers from_pretrained + save_pretrained
@@ -369,10 +370,17 @@ def main(argv=None) -> int:
     if "finetune" in only:
         f = work / "lora"
         shutil.rmtree(f, ignore_errors=True)
-        peers = {pdt: measured(me + ["finetune", str(ck), str(data), pdt]) for pdt in ("bfloat16", "float32")}
+        from amdllm.cpu import BF16_FLAGS, cpu_flags
+        # peft in bf16 only where the CPU has bf16 instructions: without them PyTorch's bf16 matmuls run
+        # several times slower than its float32 (AMD EPYC, AVX2: a [256, 2048] x [2048, 8192] product 400 ms
+        # against 61; run 3 had not finished 4 steps in 1117 s), so float32 is its faster dtype there
+        pdts = ("bfloat16", "float32") if any(f in cpu_flags() for f in BF16_FLAGS) else ("float32",)
+        peers = {pdt: measured(me + ["finetune", str(ck), str(data), pdt]) for pdt in pdts}
         med = {d: sorted(last_json(p["stdout"]).get("step_seconds", [1e9]))[2] for d, p in peers.items()}
         peer_dt = min(med, key=med.get)  # peft's faster dtype on this CPU
         peer = peers[peer_dt]
+        peft_steps = ", ".join(f"{'bf16' if d == 'bfloat16' else d} {med[d]:.2f} s ({peers[d]['peak_rss_gb']} GB)"
+                               for d in pdts) + ("" if len(pdts) > 1 else "; bf16 not run: no bf16 instructions")
         for dt in ("auto", "float32"):  # auto: the checkpoint's bfloat16 (the default)
             shutil.rmtree(f, ignore_errors=True)
             ours = measured(amdllm("finetune", "--model", str(ck), "--data", str(data), "--out", str(f), "--steps",
@@ -382,8 +390,7 @@ def main(argv=None) -> int:
             tok_s = o.get("tokens_per_second", 0)
             row(f"finetune 4 steps, 1x256, r8, --dtype {dt} (peft {peer_dt}, its faster)", ours, peer, "peft",
                 f"{tok_s:.2f} vs {256 / med[peer_dt]:.2f} tok/s ({tok_s * med[peer_dt] / 256:.2f}x; peft's median "
-                f"step: bf16 {med['bfloat16']:.2f} s ({peers['bfloat16']['peak_rss_gb']} GB), float32 "
-                f"{med['float32']:.2f} s ({peers['float32']['peak_rss_gb']} GB))")
+                f"step: {peft_steps})")
     if "serve" in only:
         for dt in ("auto", "float32"):  # auto: amdllm serve's default, as generate's
             ours = measured([sys.executable, str(Path(__file__).resolve()), "--serve-once", str(ck), dt])
