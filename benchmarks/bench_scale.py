@@ -374,7 +374,7 @@ def main(argv=None) -> int:
         # peft in bf16 only where the CPU has bf16 instructions: without them PyTorch's bf16 matmuls run
         # several times slower than its float32 (AMD EPYC, AVX2: a [256, 2048] x [2048, 8192] product 400 ms
         # against 61; run 3 had not finished 4 steps in 1117 s), so float32 is its faster dtype there
-        pdts = ("bfloat16", "float32") if any(f in cpu_flags() for f in BF16_FLAGS) else ("float32",)
+        pdts = ("bfloat16", "float32") if any(flag in cpu_flags() for flag in BF16_FLAGS) else ("float32",)
         peers = {pdt: measured(me + ["finetune", str(ck), str(data), pdt]) for pdt in pdts}
         med = {d: sorted(last_json(p["stdout"]).get("step_seconds", [1e9]))[2] for d, p in peers.items()}
         peer_dt = min(med, key=med.get)  # peft's faster dtype on this CPU
