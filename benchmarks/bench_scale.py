@@ -212,13 +212,20 @@ def peer_convert(model: str, out: str) -> dict:
     return {}
 
 
+def bf16_instructions() -> list[str]:
+    """The bf16 instructions this CPU lists (`amdllm.cpu.BF16_FLAGS`); PyTorch's bf16 and amdllm's bf16 dots
+    are fast only with them."""
+    from amdllm.cpu import BF16_FLAGS, cpu_flags
+    flags = cpu_flags()
+    return [f for f in BF16_FLAGS if f in flags]
+
+
 def machine() -> dict:
-    """What the figures depend on: the CPU's model, cores and bf16 instructions (PyTorch's bf16 and
-    amdllm's bf16 dots are fast only with them)."""
-    from amdllm.cpu import BF16_FLAGS, cpu_flags, has_bf16_dots
+    """What the figures depend on: the CPU's model, cores and bf16 instructions (`bf16_instructions`)."""
+    from amdllm.cpu import cpu_flags, has_bf16_dots
     model = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), None)
     flags = cpu_flags()
-    return {"cpu": model, "cores": os.cpu_count(), "bf16_instructions": [f for f in BF16_FLAGS if f in flags],
+    return {"cpu": model, "cores": os.cpu_count(), "bf16_instructions": bf16_instructions(),
             "avx512f": "avx512f" in flags, "amdllm_bf16_dots": has_bf16_dots(),
             "mem_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1)}
 
@@ -370,11 +377,10 @@ def main(argv=None) -> int:
     if "finetune" in only:
         f = work / "lora"
         shutil.rmtree(f, ignore_errors=True)
-        from amdllm.cpu import BF16_FLAGS, cpu_flags
         # peft in bf16 only where the CPU has bf16 instructions: without them PyTorch's bf16 matmuls run
         # several times slower than its float32 (AMD EPYC, AVX2: a [256, 2048] x [2048, 8192] product 400 ms
         # against 61; run 3 had not finished 4 steps in 1117 s), so float32 is its faster dtype there
-        pdts = ("bfloat16", "float32") if any(flag in cpu_flags() for flag in BF16_FLAGS) else ("float32",)
+        pdts = ("bfloat16", "float32") if bf16_instructions() else ("float32",)
         peers = {pdt: measured(me + ["finetune", str(ck), str(data), pdt]) for pdt in pdts}
         med = {d: sorted(last_json(p["stdout"]).get("step_seconds", [1e9]))[2] for d, p in peers.items()}
         peer_dt = min(med, key=med.get)  # peft's faster dtype on this CPU
