@@ -33,7 +33,7 @@ def test_rows_times_equals_xla_on_the_widened_weights(K, N):
     rng = np.random.default_rng(K + N)
     w = jnp.asarray(rng.standard_normal((K, N)), jnp.bfloat16)
     bits, bits_t = (jax.lax.bitcast_convert_type(a, jnp.uint16) for a in (w, w.T))
-    for M in (1, 3, 8):
+    for M in (1, 3, 5, 6, 8):  # 1-5 rows: kn_chain; 6-8: the staged kn_rows
         x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
         want = np.asarray(x @ w.astype(jnp.float32))
         scale = np.abs(want).max()
@@ -48,6 +48,18 @@ def test_rows_times_equals_xla_on_the_widened_weights(K, N):
             assert got.dtype == xb.dtype
             np.testing.assert_allclose(np.asarray(got, np.float32), want_dx,
                                        atol=(2e-6 if xb.dtype == jnp.float32 else 1e-2) * np.abs(want_dx).max())
+
+
+def test_rows_times_gives_the_same_bits_every_call():
+    """The threads claim bands of W's rows as they come free; the sums must not depend on which thread took
+    which band, or greedy decoding of the same prompt could choose differently between two runs."""
+    rng = np.random.default_rng(3)
+    bits = jax.lax.bitcast_convert_type(jnp.asarray(rng.standard_normal((4096, 256)), jnp.bfloat16), jnp.uint16)
+    x = jnp.asarray(rng.standard_normal((1, 4096)), jnp.float32)
+    step = jax.jit(native.rows_times)
+    first = np.asarray(step(x, bits))
+    for _ in range(50):
+        np.testing.assert_array_equal(np.asarray(step(x, bits)), first)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["lm_head", "tied"])

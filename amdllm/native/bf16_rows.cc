@@ -7,8 +7,8 @@
 // float32 fused multiply-add: half the bytes of a float32 product, and the same sums (bf16 -> f32 is exact).
 //
 // Two layouts, both [rows of x] x K -> N:
-//   bf16_rows_kn: W [K, N] (amdllm's [in, out] kernels). Each thread takes a contiguous band of W's rows
-//                 and keeps its own [M, N] partial sums, so every thread streams its memory in order.
+//   bf16_rows_kn: W [K, N] (amdllm's [in, out] kernels). W's rows are cut into contiguous bands, each with
+//                 its own [M, N] partial sums, so every thread streams its memory in order.
 //   bf16_rows_nk: W [N, K] (a tied head's embedding table [V, D]). Each thread takes a band of W's rows;
 //                 one dot product per row.
 // The threads are XLA's own intra-op pool (the FFI's ThreadPool; pool.h); the calling thread works too.
@@ -36,32 +36,37 @@ static inline float widen(uint16_t b) {
   return f;
 }
 
-// y[1, N] += x[k0:k1] . W[k0:k1, N]: eight rows of W at a time straight into the sums, no staging.
-static void kn_one(const float* x, const uint16_t* w, float* y, int64_t N, int64_t k0, int64_t k1) {
+// y[M, N] += x[M, k0:k1] . W[k0:k1, N] for M <= 5: four rows of W (eight for one row of x) fused per
+// pass over y, each weight widened once into the M running sums. No software prefetch: the rows are read in
+// order, which the hardware prefetchers follow; on a 2-core EPYC (AVX2) prefetching the next rows by hand
+// cost a fifth of the bandwidth (docs/benchmark-history.md, "the row kernel on AVX2").
+template <int M, int R = (M == 1 ? 8 : 4)>
+static void kn_chain(const float* x, const uint16_t* w, float* y, int64_t K, int64_t N, int64_t k0, int64_t k1) {
   int64_t k = k0;
-  for (; k + 8 <= k1; k += 8) {
+  for (; k + R <= k1; k += R) {
     const uint16_t* r = w + k * N;
-    const uint16_t* next = r + 8 * N;  // the next eight rows, fetched while these are multiplied
-    const bool ahead = k + 16 <= k1;
-    const float* a = x + k;
-    for (int64_t j0 = 0; j0 < N; j0 += 32) {
-      if (ahead)
-        for (int i = 0; i < 8; ++i) __builtin_prefetch(next + i * N + j0);
-      const int64_t j1 = std::min(N, j0 + 32);
-      for (int64_t j = j0; j < j1; ++j)
-        y[j] += ((a[0] * widen(r[j]) + a[1] * widen(r[N + j])) +
-                 (a[2] * widen(r[2 * N + j]) + a[3] * widen(r[3 * N + j]))) +
-                ((a[4] * widen(r[4 * N + j]) + a[5] * widen(r[5 * N + j])) +
-                 (a[6] * widen(r[6 * N + j]) + a[7] * widen(r[7 * N + j])));
+    float a[M][R];
+    for (int m = 0; m < M; ++m)
+      for (int i = 0; i < R; ++i) a[m][i] = x[m * K + k + i];
+    for (int64_t j = 0; j < N; ++j) {
+      float wv[R];
+      for (int i = 0; i < R; ++i) wv[i] = widen(r[i * N + j]);
+      for (int m = 0; m < M; ++m) {
+        float s = y[m * N + j];
+        for (int i = 0; i < R; ++i) s += a[m][i] * wv[i];
+        y[m * N + j] = s;
+      }
     }
   }
   for (; k < k1; ++k) {
     const uint16_t* r = w + k * N;
-    for (int64_t j = 0; j < N; ++j) y[j] += x[k] * widen(r[j]);
+    for (int m = 0; m < M; ++m)
+      for (int64_t j = 0; j < N; ++j) y[m * N + j] += x[m * K + k] * widen(r[j]);
   }
 }
 
-// y[M, N] += x[M, k0:k1] @ W[k0:k1, N] for 2 <= M: four rows of W widened once into L1, used by all M rows.
+// y[M, N] += x[M, k0:k1] @ W[k0:k1, N] for 6 <= M: four rows of W widened once into L1, used by all M rows
+// (from 6 rows the compiler no longer keeps kn_chain's widened weights and factors in registers: 2.4 GB/s).
 template <int M>
 static void kn_rows(const float* x, const uint16_t* w, float* y, int64_t K, int64_t N, int64_t k0, int64_t k1) {
   alignas(64) float wf[4][kColumns];
@@ -166,15 +171,24 @@ static ffi::Error RowsKn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   const uint16_t* wp = w.typed_data();
   float* yp = y->typed_data();
   const int64_t h = helpers(pool), per = chunk_rows(K, h + 1), chunks = (K + per - 1) / per;
-  std::vector<float> part(std::min(h, chunks - 1) * M * N, 0.f);  // each helper thread's partial sums
-  std::fill(yp, yp + M * N, 0.f);                                  // the caller's
-  in_parallel(pool, h, chunks, [&](int64_t c, int64_t t) {
+  // Each chunk of W's rows sums into its own [M, N], added up in chunk order afterwards: which thread runs a
+  // chunk varies from call to call, and the sums (so greedy decoding's ties) must not.
+  std::vector<float> part((chunks - 1) * M * N);
+  in_parallel(pool, h, chunks, [&](int64_t c) {
     const int64_t k0 = c * per, k1 = std::min(K, k0 + per);
-    float* out = t == 0 ? yp : part.data() + (t - 1) * M * N;
-    if (M == 1) kn_one(xp, wp, out, N, k0, k1);
-    else BY_ROWS(kn_rows, M, xp, wp, out, K, N, k0, k1)
+    float* out = c == 0 ? yp : part.data() + (c - 1) * M * N;
+    std::fill(out, out + M * N, 0.f);
+    switch (M) {
+      case 1: kn_chain<1>(xp, wp, out, K, N, k0, k1); break;
+      case 2: kn_chain<2>(xp, wp, out, K, N, k0, k1); break;
+      case 3: kn_chain<3>(xp, wp, out, K, N, k0, k1); break;
+      case 4: kn_chain<4>(xp, wp, out, K, N, k0, k1); break;
+      case 5: kn_chain<5>(xp, wp, out, K, N, k0, k1); break;
+      default: BY_ROWS(kn_rows, M, xp, wp, out, K, N, k0, k1)  // 6-8 rows
+    }
   });
-  for (size_t i = 0; i < part.size(); ++i) yp[i % (M * N)] += part[i];
+  for (int64_t c = 1; c < chunks; ++c)
+    for (int64_t i = 0; i < M * N; ++i) yp[i] += part[(c - 1) * M * N + i];
   return ffi::Error::Success();
 }
 
@@ -189,7 +203,7 @@ static ffi::Error RowsNk(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   const uint16_t* wp = w.typed_data();
   float* yp = y->typed_data();
   const int64_t h = helpers(pool), per = chunk_rows(N, h + 1), chunks = (N + per - 1) / per;
-  in_parallel(pool, h, chunks, [&](int64_t c, int64_t) {
+  in_parallel(pool, h, chunks, [&](int64_t c) {
     const int64_t n0 = c * per, n1 = std::min(N, n0 + per);
     if (M == 1) nk_one(xp, wp, yp, K, n0, n1);
     else BY_ROWS(nk_rows, M, xp, wp, yp, K, N, n0, n1)

@@ -235,14 +235,14 @@ static ffi::Error Tiles(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16>& x, ffi::B
   Aligned x_buffer;  // per call: an evaluation's x can be large, and is freed on return
   uint16_t* xp = x_buffer.get(mbs * steps * kStep);
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.typed_data());
-  in_parallel(pool, helpers(pool), mbs, [&](int64_t mb, int64_t) { pack_x(xs, M, K, mb, xp); });
+  in_parallel(pool, helpers(pool), mbs, [&](int64_t mb) { pack_x(xs, M, K, mb, xp); });
   // groups of column blocks: a panel of about kPanelBytes, and at least 4 groups a thread where N allows
   const int64_t threads = helpers(pool) + 1;
   const int64_t fit = std::max<int64_t>(1, kPanelBytes / (steps * kStep * 2));
   const int64_t group = std::max<int64_t>(1, std::min(fit, nbs / (4 * threads)));
   const int64_t groups = (nbs + group - 1) / group;
   const uint16_t* wp = w.typed_data() + at * K * N;
-  in_parallel(pool, helpers(pool), groups, [&](int64_t g, int64_t) {
+  in_parallel(pool, helpers(pool), groups, [&](int64_t g) {
     columns(xp, wp, yp, M, K, N, nk, g * group, std::min(nbs, (g + 1) * group));
   });
   return ffi::Error::Success();

@@ -12,22 +12,19 @@
 
 namespace amdllm_native {
 
-// run(c, t) for each chunk c < chunks, on the calling thread and the pool's; t numbers the threads that
-// took part (0 for the caller), so that a thread can keep its own partial sums. Chunks are claimed from a
+// run(c) for each chunk c < chunks, on the calling thread and the pool's. Chunks are claimed from a
 // counter: the work is shared out as threads become free, the caller finishes it alone if the pool never
 // gets to it (a pool of one thread that is running this very call), and a task that starts late finds
 // nothing left and touches nothing.
 struct Work {
-  std::atomic<int64_t> next{0}, done{0}, threads{1};
+  std::atomic<int64_t> next{0}, done{0};
   int64_t chunks = 0;
-  std::function<void(int64_t, int64_t)> run;
+  std::function<void(int64_t)> run;
 };
 
-inline void claim(Work& work, bool caller) {
-  int64_t t = caller ? 0 : -1;
+inline void claim(Work& work) {
   for (int64_t c; (c = work.next.fetch_add(1)) < work.chunks;) {
-    if (t < 0) t = work.threads.fetch_add(1);
-    work.run(c, t);
+    work.run(c);
     work.done.fetch_add(1);
   }
 }
@@ -37,12 +34,12 @@ inline int64_t helpers(xla::ffi::ThreadPool& pool) { return std::clamp<int64_t>(
 
 // `helpers` of the pool's threads (at most chunks - 1 are scheduled) and the caller run the chunks.
 inline void in_parallel(xla::ffi::ThreadPool& pool, int64_t helpers, int64_t chunks,
-                        std::function<void(int64_t, int64_t)> run) {
+                        std::function<void(int64_t)> run) {
   auto work = std::make_shared<Work>();
   work->chunks = chunks;
   work->run = std::move(run);
-  for (int64_t t = 0; t < std::min(helpers, chunks - 1); ++t) pool.Schedule([work]() { claim(*work, false); });
-  claim(*work, true);
+  for (int64_t t = 0; t < std::min(helpers, chunks - 1); ++t) pool.Schedule([work]() { claim(*work); });
+  claim(*work);
   while (work->done.load() < chunks) std::this_thread::yield();
 }
 
