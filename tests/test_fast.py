@@ -147,12 +147,16 @@ def test_bits_share_memory_and_read_back_exactly():
     assert b.bits.unsafe_buffer_pointer() == layers["gate_proj"].unsafe_buffer_pointer()  # no copy
     assert not isinstance(btop["norm"], narrow.Bits)  # norms stay arrays
     np.testing.assert_array_equal(np.asarray(b.value()), np.asarray(layers["gate_proj"]))
-    # decoding: per-layer views of the bits where the native kernel reads them (a few rows); else the scan
-    # (one layer widened at a time)
+    # decoding: per-layer views of the bits where the native kernel reads them (a few rows; a short prefill
+    # without AMX); else the scan (one layer widened at a time)
     views = fast.layer_views(blayers, rows=1)
     assert views is not None and views[1]["gate_proj"].bits.unsafe_buffer_pointer() == (
         b.bits.unsafe_buffer_pointer() + b.bits[0].size * 2)
-    assert fast.layer_views(blayers, rows=9) is None
+    assert fast.layer_views(blayers, rows=narrow.native_max_rows() + 1) is None
+    # a short prefill runs over the views too, a longer one scans the stack
+    assert fast.prefill_layers(blayers, views, narrow.native_max_rows()) is views
+    assert fast.prefill_layers(blayers, views, narrow.native_max_rows() + 1) is blayers
+    assert fast.prefill_layers(layers, fast.layer_views(layers), 1) is layers  # float32: always the scan
 
 
 def test_evaluation_of_narrow_weights_widens_one_layer_at_a_time():

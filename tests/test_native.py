@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from amdllm import native
 from amdllm.infer.generate import Decoder, load_weights, resolve_dtype
 from amdllm.model import Run, forward, init_cache, to_pure
-from amdllm.model.fast import layer_views
-from amdllm.model.narrow import Bits, inference_weights
+from amdllm.model.fast import layer_views, prefill_layers
+from amdllm.model.narrow import Bits, inference_weights, native_max_rows
 from tests.tiny import make_hf_checkpoint
 
 
@@ -33,7 +33,7 @@ def test_rows_times_equals_xla_on_the_widened_weights(K, N):
     rng = np.random.default_rng(K + N)
     w = jnp.asarray(rng.standard_normal((K, N)), jnp.bfloat16)
     bits, bits_t = (jax.lax.bitcast_convert_type(a, jnp.uint16) for a in (w, w.T))
-    for M in (1, 3, 5, 6, 8):  # 1-5 rows: kn_chain; 6-8: the staged kn_rows
+    for M in (1, 3, 5, 6, 9, 32):  # kn_any: groups of up to 5 rows; nk_any: up to 8
         x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
         want = np.asarray(x @ w.astype(jnp.float32))
         scale = np.abs(want).max()
@@ -69,18 +69,22 @@ def bf16_ckpt(request, tmp_path_factory):
                               tie_word_embeddings=request.param)
 
 
-def test_a_bf16_decode_step_reads_every_kernel_through_the_native_kernel(bf16_ckpt):
-    """One token through per-layer views of the bits: every projection and the tied head are custom calls;
-    no 2-D kernel's bits are read back as floats (that would be XLA widening it)."""
+@pytest.mark.parametrize("tokens", [1, "prefill"])
+def test_a_bf16_decode_step_reads_every_kernel_through_the_native_kernel(bf16_ckpt, tokens):
+    """One token, or a prefill of as many tokens as the kernel takes (`native_max_rows`: a short prompt
+    where there is no AMX), through per-layer views of the bits: every projection and the tied head are
+    custom calls; no 2-D kernel's bits are read back as floats (that would be XLA widening it)."""
     d, _ = bf16_ckpt
     model = load_weights(d, dtype="bfloat16")
     cfg = model.cfg
     top, layers = inference_weights(*to_pure(model))
     views = layer_views(layers, rows=2)
     assert views is not None and isinstance(views[0]["q_proj"], Bits)
-    assert layer_views(layers, rows=native.MAX_ROWS + 1) is None  # beyond the kernel: the scan widens
-    cache = init_cache(cfg, 2, 8, model.dtype, per_layer=True)
-    tok = jnp.ones((2, 1), jnp.int32)
+    assert layer_views(layers, rows=native_max_rows() + 1) is None  # beyond the kernel: the scan widens
+    T = 1 if tokens == 1 else native_max_rows()
+    assert prefill_layers(layers, views, T) is views
+    cache = init_cache(cfg, 1, 2 * T, model.dtype, per_layer=True)
+    tok = jnp.ones((1, T), jnp.int32)
     text = jax.jit(lambda t, v, c: forward(cfg, t, v, tok, cache=c, cache_index=0, run=Run(model.dtype))
                    ).lower(top, views, cache).as_text()
     calls = text.count("@amdllm_bf16_rows_kn(")

@@ -46,7 +46,7 @@ from amdllm.infer.batch_cache import HeldCache, pad_slots, put_row, roll_slots, 
 from amdllm.infer.decode import inference_run, last_logits, sample_rows, step_logits
 from amdllm.model import KVCache, to_pure
 from amdllm.cpu import cpu_compiler_options
-from amdllm.model.fast import init_cache, layer_views
+from amdllm.model.fast import init_cache, layer_views, prefill_layers
 from amdllm.model.narrow import inference_weights
 from amdllm.io.tokenizer import pad_id as tokenizer_pad_id
 
@@ -137,7 +137,8 @@ class Engine:
         self.pad = int(pad_id) if pad_id is not None else tokenizer_pad_id(tokenizer)
         self.top, self.layers = inference_weights(*to_pure(model))  # narrow weights as bits on a CPU
         # the decode step reads per-layer weight views on the CPU (no copies out of the stack; see
-        # amdllm.model.fast) and then keeps a per-layer cache; the prefill scans the stacked weights
+        # amdllm.model.fast) and then keeps a per-layer cache; the prefill scans the stacked weights, or
+        # runs over the views too where its rows fit the native kernel (`prefill_layers`)
         self.views = layer_views(self.layers, rows=self.B)
         self.dtype = model.dtype
         self.held = HeldCache(self.dtype)
@@ -324,8 +325,8 @@ class Engine:
         positions = np.maximum(np.cumsum(seg, axis=1) - 1, 0).astype(np.int32)
         seed = req.seed if req.seed is not None else secrets.randbits(31)
         key = np.asarray(jax.random.key_data(jax.random.PRNGKey(seed)))
-        tok, self.cache = self._prefill(self.top, self.layers, self.cache, jnp.int32(row), toks, positions,
-                                        seg, jnp.int32(c - Pb), key,
+        tok, self.cache = self._prefill(self.top, prefill_layers(self.layers, self.views, Pb), self.cache,
+                                        jnp.int32(row), toks, positions, seg, jnp.int32(c - Pb), key,
                                         np.float32([req.temperature]), np.float32([req.top_p]))
         self.rows[row] = _Row(req, start=c - Pb, pos=P, key=key, stream=TextStream(self.tokenizer, req.stop))
         self.stats["requests"] += 1

@@ -34,7 +34,7 @@ from amdllm.io.tokenizer import load_tokenizer, pad_id
 from amdllm.infer.decode import inference_run, last_logits, sample_token, step_logits
 from amdllm.model import KVCache, to_pure
 from amdllm.cpu import cpu_compiler_options
-from amdllm.model.fast import init_cache, layer_views, split_cache
+from amdllm.model.fast import init_cache, layer_views, prefill_layers, split_cache
 from amdllm.model.narrow import inference_weights
 from amdllm.model.inputs import expect_model, expect_tokenizer, token_ids
 
@@ -65,7 +65,8 @@ def _compiled(model):
                 per_layer=False):
         # tokens/positions/segment_ids [B, P] left-padded: the last column is a real token in every row.
         # cache_len (static) fixes the cache shape. The prefill scans the stacked weights (large matmuls,
-        # flat compile time) and hands the step a per-layer cache when it runs per-layer weights.
+        # flat compile time), or runs over per-layer views where its rows fit the native kernel
+        # (`prefill_layers`), and hands the step a per-layer cache when it runs per-layer weights.
         cache = init_cache(cfg, tokens.shape[0], cache_len, run.dtype)
         last, cache = last_logits(cfg, run, top, layers, tokens, positions, segment_ids, cache, 0)  # [B, V]
         tok = sample_token(last, jax.random.fold_in(key, 0), temperature, top_p)
@@ -146,8 +147,8 @@ class Decoder:
         S = _round_up(P + max_new_tokens - 1, CACHE_BUCKET)  # the last new token is never written
         temp, tp = _per_row(temperature, B, "temperature"), _per_row(top_p, B, "top_p")
         key = jax.random.PRNGKey(seed)
-        tok, logits, cache = self.prefill(top, layers, tokens, positions, seg, key, temp, tp,
-                                          cache_len=S, per_layer=views is not None)
+        tok, logits, cache = self.prefill(top, prefill_layers(layers, views, B * P), tokens, positions, seg, key,
+                                          temp, tp, cache_len=S, per_layer=views is not None)
         step_layers = layers if views is None else views
         done = np.zeros(B, bool)
         eos = np.array(self.eos_ids, np.int64)

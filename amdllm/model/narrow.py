@@ -12,8 +12,9 @@
     about 2x XLA's bf16 dots at the 1B shape), from TILES_MIN_ROWS rows up (a short prompt's prefill
     too), and it reads the layer scan's stacked weights in place (`hold_stacked`, `HeldBits`): no copy
     of each layer's slice, forward and backward.
-  * A few rows (decoding, up to `native.MAX_ROWS`) times bfloat16 weights run in a C++ kernel that reads
-    the weights as they lie (`amdllm.native.rows_times`; `native_rows_for`), where it could be built.
+  * A few rows (decoding; a short prompt's prefill where there is no AMX: `native_max_rows`) times
+    bfloat16 weights run in a C++ kernel that reads the weights as they lie (`amdllm.native.rows_times`;
+    `native_rows_for`), where it could be built.
 CPU only: elsewhere `carry_bits` leaves arrays as they are. `amdllm.model.fast` composes these into its
 kernels (`fence`, `lookup`, the checkpoint policy) and its forward (`head_blocked`).
 """
@@ -33,9 +34,13 @@ from amdllm.model.layers import head as llama_head
 HEAD_BLOCK = 8192  # vocabulary rows per head block: [rows, 8192] float32 logits; 64 MB of float32 weights (D 2048)
 HEAD_GEMV_MAX_ROWS = 1  # up to this many rows, a tied head multiplies the table as it lies (`head_product`)
 BF16_DOT_MIN_ROWS = 64  # below this (decoding), XLA:CPU's bf16 dots lose to widening (1B shape: 2.5 vs 3.2 tokens/s)
-# with AMX, every product of more rows than the row kernel takes runs on the tiles: a short prompt's
-# prefill no longer widens each layer (docs/benchmark-history.md, "Decoding and prefill")
-TILES_MIN_ROWS = native.MAX_ROWS + 1
+# Where the row kernel (`native.rows_times`) runs: with AMX, up to DECODE_MAX_ROWS rows and every product
+# of more rows on the tiles, a short prompt's prefill included (docs/benchmark-history.md, "Decoding and
+# prefill"); without AMX, up to PREFILL_MAX_ROWS rows, so that a short prompt's prefill does not widen
+# each weight matrix into a float32 copy either (`native_max_rows`)
+DECODE_MAX_ROWS = 8
+PREFILL_MAX_ROWS = 32
+TILES_MIN_ROWS = DECODE_MAX_ROWS + 1
 
 
 @jax.tree_util.register_pytree_node_class
@@ -188,7 +193,7 @@ def bf16_dot_min_rows() -> int:
 
 def native_rows_for(w, rows: int) -> bool:
     """Whether `rows` rows times the narrow weights `w` run in the native kernel (`native.rows_times`):
-    bfloat16 bits, at most native.MAX_ROWS rows, and the kernel built here (`native.available`). It reads
+    bfloat16 bits, at most `native_max_rows()` rows, and the kernel built here (`native.available`). It reads
     the bf16 weights at 18-20 GB/s on the 2-core Xeon where XLA:CPU's bf16 products read 1.1-2.2 GB/s and
     its float32 ones 13-20 (a [2048, 8192] kernel times one row: 1.6-1.9 ms, widened in XLA 16 ms,
     float32 3.3-3.8 ms; `jax.jit` timings, 8 matrices chained, 2026-12-03)."""
@@ -197,7 +202,13 @@ def native_rows_for(w, rows: int) -> bool:
 
 def native_decodes(dtype, rows: int) -> bool:
     """Whether `rows` rows times bits of `dtype` run in the native kernel (see `native_rows_for`)."""
-    return jnp.dtype(dtype) == jnp.bfloat16 and 1 <= rows <= native.MAX_ROWS and native.available()
+    return jnp.dtype(dtype) == jnp.bfloat16 and 1 <= rows <= native_max_rows() and native.available()
+
+
+def native_max_rows() -> int:
+    """The most rows a product with bf16 bits sends to the row kernel: DECODE_MAX_ROWS where the AMX
+    kernel takes more (`native.tiles_available`), else PREFILL_MAX_ROWS."""
+    return DECODE_MAX_ROWS if native.tiles_available() else min(PREFILL_MAX_ROWS, native.MAX_ROWS)
 
 
 def _zero_of(x, dtype):

@@ -1,8 +1,9 @@
 """C++ kernels that XLA calls (XLA's FFI) for bfloat16 weights on a CPU, read as they lie.
 
-* `bf16_rows.cc`, `rows_times`: a few float32 rows times bf16 weights (decoding). Decoding multiplies one
-  row, or a few, by every weight matrix, so a decode step takes as long as reading the weights. XLA:CPU has
-  no fast bfloat16 matrix-vector product (1.1-2.2 GB/s of weights on a 2-core Xeon with AVX-512 BF16,
+* `bf16_rows.cc`, `rows_times`: a few float32 rows times bf16 weights (decoding, and a short prompt's
+  prefill where there is no AMX: `amdllm.model.narrow.native_max_rows`). Decoding multiplies one row,
+  or a few, by every weight matrix, so a decode step takes as long as reading the weights. XLA:CPU has no
+  fast bfloat16 matrix-vector product (1.1-2.2 GB/s of weights on a 2-core Xeon with AVX-512 BF16,
   against about 20 GB/s for float32; docs/benchmark-history.md, "Decoding and prefill"), so a bf16
   checkpoint decoded in float32 (twice the bytes) or widened every layer for every token. The kernel
   widens each weight in a register on its way into a float32 multiply-add: half the bytes of a float32
@@ -41,7 +42,7 @@ from amdllm.cpu import cpu_flags
 SOURCE = Path(__file__).with_name("bf16_rows.cc")
 TILES_SOURCE = Path(__file__).with_name("bf16_tiles.cc")
 HEADERS = (Path(__file__).with_name("pool.h"),)  # included by both sources
-MAX_ROWS = 8  # bf16_rows.cc kMaxRows
+MAX_ROWS = 64  # bf16_rows.cc kMaxRows: the most rows of x `rows_times` takes
 TARGETS = {False: "amdllm_bf16_rows_kn", True: "amdllm_bf16_rows_nk"}  # by `transposed`
 TILES_TARGETS = {False: "amdllm_bf16_tiles_kn", True: "amdllm_bf16_tiles_nk"}
 AMX_FLAGS = ("amx_tile", "amx_bf16")  # /proc/cpuinfo

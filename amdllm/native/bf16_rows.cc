@@ -1,10 +1,13 @@
-// A few rows of float32 activations times a bfloat16 weight matrix, reading the weights as they lie.
+// A few rows of float32 activations (up to 64) times a bfloat16 weight matrix, reading the weights as they
+// lie.
 //
 // Why: decoding multiplies one row (or a few) by every weight matrix, so its speed is the rate at which
 // the weights are read. XLA:CPU has no fast bf16 matrix-vector product (1.1-2.2 GB/s of weights on a
 // 2-core Xeon with AVX-512 BF16, against 20 GB/s for float32), so bf16 weights were widened to float32
 // first, a copy per layer per token. Here each bf16 weight is widened in a register on its way into a
 // float32 fused multiply-add: half the bytes of a float32 product, and the same sums (bf16 -> f32 is exact).
+// A short prompt's prefill (a few dozen rows) runs here too on CPUs without AMX, rather than widening each
+// weight matrix into a float32 copy.
 //
 // Two layouts, both [rows of x] x K -> N:
 //   bf16_rows_kn: W [K, N] (amdllm's [in, out] kernels). W's rows are cut into contiguous bands, each with
@@ -26,8 +29,8 @@ namespace ffi = xla::ffi;
 using amdllm_native::helpers;
 using amdllm_native::in_parallel;
 
-constexpr int64_t kMaxRows = 8;  // amdllm/native/__init__.py MAX_ROWS
-constexpr int64_t kColumns = 512;  // columns of 4 widened rows staged at once (8 KB: L1)
+constexpr int64_t kMaxRows = 64;  // amdllm/native/__init__.py MAX_ROWS
+constexpr int64_t kSubBand = 16;  // rows of W that kn_any's groups of x rows share (256 KB at N = 8192: L2)
 
 static inline float widen(uint16_t b) {
   const uint32_t u = uint32_t(b) << 16;
@@ -65,30 +68,22 @@ static void kn_chain(const float* x, const uint16_t* w, float* y, int64_t K, int
   }
 }
 
-// y[M, N] += x[M, k0:k1] @ W[k0:k1, N] for 6 <= M: four rows of W widened once into L1, used by all M rows
-// (from 6 rows the compiler no longer keeps kn_chain's widened weights and factors in registers: 2.4 GB/s).
-template <int M>
-static void kn_rows(const float* x, const uint16_t* w, float* y, int64_t K, int64_t N, int64_t k0, int64_t k1) {
-  alignas(64) float wf[4][kColumns];
-  for (int64_t k = k0; k < k1; k += 4) {
-    const int64_t rows = std::min<int64_t>(4, k1 - k);
-    float a[M][4];
-    for (int m = 0; m < M; ++m)
-      for (int r = 0; r < 4; ++r) a[m][r] = r < rows ? x[m * K + k + r] : 0.f;
-    for (int64_t j0 = 0; j0 < N; j0 += kColumns) {
-      const int64_t nb = std::min(kColumns, N - j0);
-      for (int r = 0; r < 4; ++r) {
-        if (r < rows) {
-          const uint16_t* src = w + (k + r) * N + j0;
-          for (int64_t j = 0; j < nb; ++j) wf[r][j] = widen(src[j]);
-        } else {
-          std::fill(wf[r], wf[r] + nb, 0.f);
-        }
-      }
-      for (int m = 0; m < M; ++m) {
-        float* out = y + m * N + j0;
-        for (int64_t j = 0; j < nb; ++j)
-          out[j] += (a[m][0] * wf[0][j] + a[m][1] * wf[1][j]) + (a[m][2] * wf[2][j] + a[m][3] * wf[3][j]);
+// y[M, N] += x[M, k0:k1] @ W[k0:k1, N] for any M: groups of up to 5 rows of x through kn_chain (from 6 rows
+// the compiler no longer keeps kn_chain's widened weights and factors in registers: 2.4 GB/s), kSubBand
+// rows of W at a time, so that every group after the first reads them from L2 rather than from memory.
+static void kn_any(const float* x, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N, int64_t k0,
+                   int64_t k1) {
+  for (int64_t s = k0; s < k1; s += (M <= 5 ? k1 - k0 : kSubBand)) {
+    const int64_t e = M <= 5 ? k1 : std::min(k1, s + kSubBand);
+    for (int64_t g = 0; g < M; g += 5) {
+      const float* xg = x + g * K;
+      float* yg = y + g * N;
+      switch (std::min<int64_t>(5, M - g)) {
+        case 1: kn_chain<1>(xg, w, yg, K, N, s, e); break;
+        case 2: kn_chain<2>(xg, w, yg, K, N, s, e); break;
+        case 3: kn_chain<3>(xg, w, yg, K, N, s, e); break;
+        case 4: kn_chain<4>(xg, w, yg, K, N, s, e); break;
+        default: kn_chain<5>(xg, w, yg, K, N, s, e); break;
       }
     }
   }
@@ -125,7 +120,7 @@ static void nk_one(const float* x, const uint16_t* w, float* y, int64_t K, int64
   }
 }
 
-// y[M, n0:n1] = x[M, K] . W[n0:n1, K]^T for 2 <= M.
+// y[M, n0:n1] = x[M, K] . W[n0:n1, K]^T for M <= 8 (`nk_any` takes more rows 8 at a time).
 template <int M>
 static void nk_rows(const float* x, const uint16_t* w, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
@@ -148,17 +143,29 @@ static void nk_rows(const float* x, const uint16_t* w, float* y, int64_t K, int6
 }
 
 
+// y[M, n0:n1] = x[M, K] . W[n0:n1, K]^T for any M.
+static void nk_any(const float* x, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0,
+                   int64_t n1) {
+  if (M == 1) return nk_one(x, w, y, K, n0, n1);
+  for (int64_t g = 0; g < M; g += 8) {
+    const float* xg = x + g * K;
+    float* yg = y + g * N;
+    switch (std::min<int64_t>(8, M - g)) {
+      case 1: nk_rows<1>(xg, w, yg, K, N, n0, n1); break;
+      case 2: nk_rows<2>(xg, w, yg, K, N, n0, n1); break;
+      case 3: nk_rows<3>(xg, w, yg, K, N, n0, n1); break;
+      case 4: nk_rows<4>(xg, w, yg, K, N, n0, n1); break;
+      case 5: nk_rows<5>(xg, w, yg, K, N, n0, n1); break;
+      case 6: nk_rows<6>(xg, w, yg, K, N, n0, n1); break;
+      case 7: nk_rows<7>(xg, w, yg, K, N, n0, n1); break;
+      default: nk_rows<8>(xg, w, yg, K, N, n0, n1); break;
+    }
+  }
+}
+
 static int64_t chunk_rows(int64_t n, int64_t threads) {  // about 4 chunks a thread, a multiple of 8 rows
   return std::max<int64_t>(64, ((n + 4 * threads - 1) / (4 * threads) + 7) / 8 * 8);
 }
-
-#define BY_ROWS(fn, M, ...)                                                                     \
-  switch (M) {                                                                                  \
-    case 2: fn<2>(__VA_ARGS__); break; case 3: fn<3>(__VA_ARGS__); break;                       \
-    case 4: fn<4>(__VA_ARGS__); break; case 5: fn<5>(__VA_ARGS__); break;                       \
-    case 6: fn<6>(__VA_ARGS__); break; case 7: fn<7>(__VA_ARGS__); break;                       \
-    default: fn<8>(__VA_ARGS__); break;                                                         \
-  }
 
 static ffi::Error RowsKn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> w,
                          ffi::ResultBuffer<ffi::F32> y) {
@@ -166,7 +173,7 @@ static ffi::Error RowsKn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   const int64_t K = w.dimensions()[0], N = w.dimensions()[1];
   const int64_t M = K ? int64_t(x.element_count()) / K : 0;
   if (M < 1 || M > kMaxRows || M * K != int64_t(x.element_count()) || int64_t(y->element_count()) != M * N)
-    return ffi::Error::InvalidArgument("bf16_rows_kn: x must be [M, K] with 1 <= M <= 8, y [M, N]");
+    return ffi::Error::InvalidArgument("bf16_rows_kn: x must be [M, K] with 1 <= M <= 64, y [M, N]");
   const float* xp = x.typed_data();
   const uint16_t* wp = w.typed_data();
   float* yp = y->typed_data();
@@ -178,14 +185,7 @@ static ffi::Error RowsKn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
     const int64_t k0 = c * per, k1 = std::min(K, k0 + per);
     float* out = c == 0 ? yp : part.data() + (c - 1) * M * N;
     std::fill(out, out + M * N, 0.f);
-    switch (M) {
-      case 1: kn_chain<1>(xp, wp, out, K, N, k0, k1); break;
-      case 2: kn_chain<2>(xp, wp, out, K, N, k0, k1); break;
-      case 3: kn_chain<3>(xp, wp, out, K, N, k0, k1); break;
-      case 4: kn_chain<4>(xp, wp, out, K, N, k0, k1); break;
-      case 5: kn_chain<5>(xp, wp, out, K, N, k0, k1); break;
-      default: BY_ROWS(kn_rows, M, xp, wp, out, K, N, k0, k1)  // 6-8 rows
-    }
+    kn_any(xp, wp, out, M, K, N, k0, k1);
   });
   for (int64_t c = 1; c < chunks; ++c)
     for (int64_t i = 0; i < M * N; ++i) yp[i] += part[(c - 1) * M * N + i];
@@ -198,15 +198,14 @@ static ffi::Error RowsNk(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   const int64_t N = w.dimensions()[0], K = w.dimensions()[1];
   const int64_t M = K ? int64_t(x.element_count()) / K : 0;
   if (M < 1 || M > kMaxRows || M * K != int64_t(x.element_count()) || int64_t(y->element_count()) != M * N)
-    return ffi::Error::InvalidArgument("bf16_rows_nk: x must be [M, K] with 1 <= M <= 8, y [M, N]");
+    return ffi::Error::InvalidArgument("bf16_rows_nk: x must be [M, K] with 1 <= M <= 64, y [M, N]");
   const float* xp = x.typed_data();
   const uint16_t* wp = w.typed_data();
   float* yp = y->typed_data();
   const int64_t h = helpers(pool), per = chunk_rows(N, h + 1), chunks = (N + per - 1) / per;
   in_parallel(pool, h, chunks, [&](int64_t c) {
     const int64_t n0 = c * per, n1 = std::min(N, n0 + per);
-    if (M == 1) nk_one(xp, wp, yp, K, n0, n1);
-    else BY_ROWS(nk_rows, M, xp, wp, yp, K, N, n0, n1)
+    nk_any(xp, wp, yp, M, K, N, n0, n1);
   });
   return ffi::Error::Success();
 }
