@@ -167,13 +167,22 @@ static int64_t chunk_rows(int64_t n, int64_t threads) {  // about 4 chunks a thr
   return std::max<int64_t>(64, ((n + 4 * threads - 1) / (4 * threads) + 7) / 8 * 8);
 }
 
+// M, K, N of x [M, K] times W ([K, N], or [N, K] if transposed) into y [M, N] (y_count elements); false if
+// the shapes are not so.
+static bool shapes(const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::U16>& w, int64_t y_count,
+                   bool transposed, int64_t& M, int64_t& K, int64_t& N) {
+  if (w.dimensions().size() != 2) return false;
+  K = w.dimensions()[transposed ? 1 : 0];
+  N = w.dimensions()[transposed ? 0 : 1];
+  M = K ? int64_t(x.element_count()) / K : 0;
+  return 1 <= M && M <= kMaxRows && M * K == int64_t(x.element_count()) && y_count == M * N;
+}
+
 static ffi::Error RowsKn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> w,
                          ffi::ResultBuffer<ffi::F32> y) {
-  if (w.dimensions().size() != 2) return ffi::Error::InvalidArgument("bf16_rows_kn: W must be 2-D");
-  const int64_t K = w.dimensions()[0], N = w.dimensions()[1];
-  const int64_t M = K ? int64_t(x.element_count()) / K : 0;
-  if (M < 1 || M > kMaxRows || M * K != int64_t(x.element_count()) || int64_t(y->element_count()) != M * N)
-    return ffi::Error::InvalidArgument("bf16_rows_kn: x must be [M, K] with 1 <= M <= 64, y [M, N]");
+  int64_t M, K, N;
+  if (!shapes(x, w, int64_t(y->element_count()), false, M, K, N))
+    return ffi::Error::InvalidArgument("bf16_rows_kn: W must be 2-D [K, N], x [M, K] with 1 <= M <= 64, y [M, N]");
   const float* xp = x.typed_data();
   const uint16_t* wp = w.typed_data();
   float* yp = y->typed_data();
@@ -194,11 +203,9 @@ static ffi::Error RowsKn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
 
 static ffi::Error RowsNk(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> w,
                          ffi::ResultBuffer<ffi::F32> y) {
-  if (w.dimensions().size() != 2) return ffi::Error::InvalidArgument("bf16_rows_nk: W must be 2-D");
-  const int64_t N = w.dimensions()[0], K = w.dimensions()[1];
-  const int64_t M = K ? int64_t(x.element_count()) / K : 0;
-  if (M < 1 || M > kMaxRows || M * K != int64_t(x.element_count()) || int64_t(y->element_count()) != M * N)
-    return ffi::Error::InvalidArgument("bf16_rows_nk: x must be [M, K] with 1 <= M <= 64, y [M, N]");
+  int64_t M, K, N;
+  if (!shapes(x, w, int64_t(y->element_count()), true, M, K, N))
+    return ffi::Error::InvalidArgument("bf16_rows_nk: W must be 2-D [N, K], x [M, K] with 1 <= M <= 64, y [M, N]");
   const float* xp = x.typed_data();
   const uint16_t* wp = w.typed_data();
   float* yp = y->typed_data();
