@@ -20,7 +20,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <vector>
+#include <memory>
+#include <type_traits>
 
 #include "pool.h"
 #include "xla/ffi/api/ffi.h"
@@ -68,24 +69,30 @@ static void kn_chain(const float* x, const uint16_t* w, float* y, int64_t K, int
   }
 }
 
+// f(std::integral_constant<int, m>) for the m (1 <= m <= Max) given at run time: a kernel templated on its
+// number of rows, chosen per call.
+template <int Max, class F>
+static void with_rows(int64_t m, F&& f) {
+  if constexpr (Max > 1)
+    if (m < Max) return with_rows<Max - 1>(m, f);
+  f(std::integral_constant<int, Max>{});
+}
+
+// f(rows, g) for the M rows of x in groups of up to G: rows (an integral_constant) in the group at row g.
+template <int G, class F>
+static void in_groups(int64_t M, F&& f) {
+  for (int64_t g = 0; g < M; g += G) with_rows<G>(std::min<int64_t>(G, M - g), [&](auto rows) { f(rows, g); });
+}
+
 // y[M, N] += x[M, k0:k1] @ W[k0:k1, N] for any M: groups of up to 5 rows of x through kn_chain (from 6 rows
 // the compiler no longer keeps kn_chain's widened weights and factors in registers: 2.4 GB/s), kSubBand
 // rows of W at a time, so that every group after the first reads them from L2 rather than from memory.
 static void kn_any(const float* x, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N, int64_t k0,
                    int64_t k1) {
-  for (int64_t s = k0; s < k1; s += (M <= 5 ? k1 - k0 : kSubBand)) {
-    const int64_t e = M <= 5 ? k1 : std::min(k1, s + kSubBand);
-    for (int64_t g = 0; g < M; g += 5) {
-      const float* xg = x + g * K;
-      float* yg = y + g * N;
-      switch (std::min<int64_t>(5, M - g)) {
-        case 1: kn_chain<1>(xg, w, yg, K, N, s, e); break;
-        case 2: kn_chain<2>(xg, w, yg, K, N, s, e); break;
-        case 3: kn_chain<3>(xg, w, yg, K, N, s, e); break;
-        case 4: kn_chain<4>(xg, w, yg, K, N, s, e); break;
-        default: kn_chain<5>(xg, w, yg, K, N, s, e); break;
-      }
-    }
+  const int64_t band = M <= 5 ? k1 - k0 : kSubBand;  // one group: the whole range at once
+  for (int64_t s = k0; s < k1; s += band) {
+    const int64_t e = std::min(k1, s + band);
+    in_groups<5>(M, [&](auto rows, int64_t g) { kn_chain<rows()>(x + g * K, w, y + g * N, K, N, s, e); });
   }
 }
 
@@ -147,20 +154,7 @@ static void nk_rows(const float* x, const uint16_t* w, float* y, int64_t K, int6
 static void nk_any(const float* x, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0,
                    int64_t n1) {
   if (M == 1) return nk_one(x, w, y, K, n0, n1);
-  for (int64_t g = 0; g < M; g += 8) {
-    const float* xg = x + g * K;
-    float* yg = y + g * N;
-    switch (std::min<int64_t>(8, M - g)) {
-      case 1: nk_rows<1>(xg, w, yg, K, N, n0, n1); break;
-      case 2: nk_rows<2>(xg, w, yg, K, N, n0, n1); break;
-      case 3: nk_rows<3>(xg, w, yg, K, N, n0, n1); break;
-      case 4: nk_rows<4>(xg, w, yg, K, N, n0, n1); break;
-      case 5: nk_rows<5>(xg, w, yg, K, N, n0, n1); break;
-      case 6: nk_rows<6>(xg, w, yg, K, N, n0, n1); break;
-      case 7: nk_rows<7>(xg, w, yg, K, N, n0, n1); break;
-      default: nk_rows<8>(xg, w, yg, K, N, n0, n1); break;
-    }
-  }
+  in_groups<8>(M, [&](auto rows, int64_t g) { nk_rows<rows()>(x + g * K, w, y + g * N, K, N, n0, n1); });
 }
 
 static int64_t chunk_rows(int64_t n, int64_t threads) {  // about 4 chunks a thread, a multiple of 8 rows
@@ -189,10 +183,11 @@ static ffi::Error RowsKn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   const int64_t h = helpers(pool), per = chunk_rows(K, h + 1), chunks = (K + per - 1) / per;
   // Each chunk of W's rows sums into its own [M, N], added up in chunk order afterwards: which thread runs a
   // chunk varies from call to call, and the sums (so greedy decoding's ties) must not.
-  std::vector<float> part((chunks - 1) * M * N);
+  // (Left unset here: each chunk zeroes its own, on the thread that then fills it.)
+  std::unique_ptr<float[]> part(new float[(chunks - 1) * M * N]);
   in_parallel(pool, h, chunks, [&](int64_t c) {
     const int64_t k0 = c * per, k1 = std::min(K, k0 + per);
-    float* out = c == 0 ? yp : part.data() + (c - 1) * M * N;
+    float* out = c == 0 ? yp : part.get() + (c - 1) * M * N;
     std::fill(out, out + M * N, 0.f);
     kn_any(xp, wp, out, M, K, N, k0, k1);
   });
