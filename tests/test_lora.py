@@ -197,10 +197,11 @@ def test_peft_parity_at_the_course_recipe_size(tmp_path):
     m = lora.apply_lora(checkpoint.load(model_dir), rank=8, alpha=16, targets="q,k,v,o,gate,up,down")
     tokens = jnp.asarray(ds.tokens[:2])
     base = np.asarray(m(tokens)[0])
-    train.finetune(m, ds, tmp_path / "ad", train.TrainConfig(steps=30, batch_size=8, seq_len=256, lr=3e-3),
+    train.finetune(m, ds, tmp_path / "ad", train.TrainConfig(steps=10, batch_size=8, seq_len=256, lr=3e-3),
                    base_model_dir=str(model_dir), progress=False)
     ours = np.asarray(m(tokens)[0])
     tol = logit_tolerance(m.cfg, np.abs(ours).max())
+    print(f"\nadapter moves the logits by {np.abs(ours - base).max() / tol:.0f}x the tolerance")
     assert np.abs(ours - base).max() > 1000 * tol  # the adapter matters far beyond the tolerance
     hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     pm = peft.PeftModel.from_pretrained(hf, str(tmp_path / "ad")).eval()

@@ -59,11 +59,8 @@ def test_grad_accumulation_equals_one_big_batch():
     np.testing.assert_allclose(float(ma["grad_norm"]), float(mb["grad_norm"]), rtol=1e-5)
     for k in a:
         np.testing.assert_allclose(np.asarray(a[k]), np.asarray(b[k]), rtol=1e-5, atol=1e-7, err_msg=k)
-    # the full step (clipping + AdamW): Adam divides by sqrt(v), so near-zero gradients amplify rounding
-    a, _, _ = one_step(tiny_model(), ds, idx, grad_accum=1)
-    b, _, _ = one_step(tiny_model(), ds, idx, grad_accum=4)
-    for k in a:
-        np.testing.assert_allclose(np.asarray(a[k]), np.asarray(b[k]), atol=1e-4, err_msg=k)
+    # (SGD with lr 1 compares the gradients themselves: an update per micro-batch, or a mean of per-micro-batch
+    # means, would differ here; clipping and AdamW then see the same gradients and the same norm)
     # and the loss is the plain mean NLL over response tokens of the whole batch
     m = tiny_model()
     lo, frozen = train.split_params(m)

@@ -258,12 +258,18 @@ def _chol_inv_upper_device(H, damp):
     return U, jnp.all(jnp.isfinite(U))
 
 
+def mean_diagonal(diag) -> float:
+    """The mean of a Hessian's diagonal, in float64: dampening adds percdamp times it (`hessian_inverse`),
+    and `gptq_quantize` takes the same figure back out of the solve's error."""
+    return float(np.mean(np.asarray(diag), dtype=np.float64))
+
+
 def hessian_inverse(H, percdamp: float, where: str = "layer", on_host: bool | None = None):
     """(U, damp fraction used). Raises dampening by 0.01 while the factorisation fails (GPTQModel).
     on_host: LAPACK on the host CPU (the default when JAX runs on the CPU), else XLA on the device."""
     on_host = jax.default_backend() == "cpu" if on_host is None else on_host
     H = np.asarray(H, np.float32) if on_host else jnp.asarray(H, jnp.float32)
-    mean_diag = float(np.mean(np.diag(H))) if on_host else float(jnp.mean(jnp.diag(H)))
+    mean_diag = mean_diagonal(np.diag(H) if on_host else jnp.diag(H))
     p = percdamp
     while p < 1.0:
         if on_host:  # small factors on one thread (see `one_blas_thread`); the large ones on all cores
@@ -375,7 +381,7 @@ def gptq_quantize(W, H, spec: QuantSpec, scale_dtype=jnp.float16, where: str = "
     Q, C, S, Z, e2, d2 = (np.asarray(a) for a in _gptq_core(W, U, jax.device_put(dead), jax.device_put(perm), **kw))
     # the solve's own error: W - Q = E U, with U^T U = (H' + damp I)^-1 for the mended H', so
     # sum(E^2) = tr((W-Q)(H' + damp I)(W-Q)^T), and H' differs from H only on dead columns, where W - Q = 0
-    damp = p * (float(np.mean(diag, dtype=np.float64)) + float(np.mean(dead)))  # hessian_inverse's mean diag
+    damp = p * mean_diagonal(np.where(dead, 1.0, diag))  # the mended H's diagonal, as hessian_inverse saw it
     err = float(np.sum(e2, dtype=np.float64)) - damp * float(d2)
     inv = np.argsort(perm)
     if spec.act_order and not kw["static_groups"]:
