@@ -16,6 +16,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # notebooks and `amdllm` processes the tests start inherit it; `make course` and the benchmarks do not.
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=1".strip()
+# PyTorch's OpenMP threads spin while they wait for each other, and under pytest-xdist they share the cores
+# with the other worker's threads: two 2-thread PyTorch processes side by side on 2 cores took 228 s each for
+# tests/foreign.py's 15 s training, and 15 s each with one thread. So the reference sides (transformers,
+# peft) run on one thread per worker here, and so do the processes the tests start.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import jax  # noqa: E402
 
