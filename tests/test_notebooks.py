@@ -1,6 +1,6 @@
 """The course notebooks: every one executes headless with quick parameters, run exactly as `make course`
 runs them (the same command, the same working directory, a relative --out; only XLA's optimisation level
-is the test session's, tests/conftest.py), and git holds them clean.
+and PyTorch's thread count are the test session's, tests/conftest.py), and git holds them clean.
 
 Outputs are not compared (training numbers drift); each notebook asserts its own key results in its
 final cell and writes them to `results_path`, which the runner reads back.

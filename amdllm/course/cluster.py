@@ -1,9 +1,10 @@
 """A cluster on one machine: run a command as N processes of D simulated CPU devices each, joined by
 JAX's own environment variables over loopback, exactly as N nodes would run it (lesson 02, the tests).
 
-Each process gets `XLA_FLAGS=--xla_force_host_platform_device_count=D` and JAX_COORDINATOR_ADDRESS /
-JAX_NUM_PROCESSES / JAX_PROCESS_ID; everything else is the command's own business. On a real cluster the
-scheduler (srun) or you (one shell per node) start the processes instead: examples/405b/.
+Each process gets `--xla_force_host_platform_device_count=D` added to the caller's XLA_FLAGS (a device
+count there is replaced), and JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID; everything else
+is the command's own business. On a real cluster the scheduler (srun) or you (one shell per node) start the
+processes instead: examples/405b/.
 """
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ class Process:
     seconds: float
 
 
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -37,9 +41,9 @@ def free_port() -> int:
 
 def cluster_env(devices: int, extra: dict | None = None) -> dict:
     # the caller's other XLA flags (dumps, optimisation level) reach each process; the device count is ours
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG)]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "TOKENIZERS_PARALLELISM": "false",
-           "XLA_FLAGS": " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])}
+           "XLA_FLAGS": " ".join([*flags, f"{DEVICE_COUNT_FLAG}={devices}"])}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_NUM_CPU_DEVICES"):
         env.pop(k, None)
