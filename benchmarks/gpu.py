@@ -11,17 +11,18 @@
    the whole kernel, XLA's uint4 route, the Pallas kernel over a few tilings) against bf16 dense, at 1, 8
    and 256 rows on the 8B gate/up and down shapes: seconds, error against the reference, and the fraction
    of the copy bandwidth on the bytes each must read.
-3. Decoding tokens/s (greedy, 128 new tokens after a 32-token prompt, batch 1 and 8) with bf16 weights and
+3. Decoding tokens/s (greedy, 64 new tokens after a 32-token prompt, batch 1 and 8) with bf16 weights and
    with 4-bit packed weights (GPTQ v1 layout, group 128, random codes: the same `QuantLinear` kernels a
    GPTQ checkpoint loads into, without spending the lease on quantizing 8B parameters), once per route
    (`prepare_kernels`), against the memory-bandwidth bound: decode steps/s if every step read the weights
-   and the KV cache once.
-Phases run in the order ceilings, qmatmul, decode_bf16, decode_int4_pallas, decode_int4_xla4, decode_int4
-(the reference route), lora_step (1 above: the backend's attention, cuDNN's on NVIDIA in bf16; its
-"attention" field says which), lora_step_dots (the same with `remat="dots"`: each layer keeps its
-projections' outputs and recomputes only norms, RoPE, attention and SwiGLU, instead of the whole layer),
-lora_step_blocked (remat full with amdllm's blocked attention); `--phases` picks, `--budget-s` skips what
-is left.
+   and the KV cache once. Each runs its layers two ways: the scan over stacked weights that `generate`
+   runs on a GPU, and an unrolled loop over per-layer copies (`decode`). `--profile-dir` traces one batch-1
+   call of each and summarizes the device's kernels (`summarize_trace`).
+Phases run in the order ceilings, qmatmul, decode_bf16, decode_int4_pallas, lora_step_dots (1 above with
+`remat="dots"`: each layer keeps its projections' outputs and recomputes only norms, RoPE, attention and
+SwiGLU, instead of the whole layer), decode_int4_xla4, lora_step (1 above: the backend's attention, cuDNN's
+on NVIDIA in bf16; its "attention" field says which), lora_step_blocked (remat full with amdllm's blocked
+attention), decode_int4 (the reference route); `--phases` picks, `--budget-s` skips what is left.
 
 Results are written to OUT/gpu.json after every phase, so a run cut short still reports what it measured.
 
@@ -162,12 +163,60 @@ def random_int4(model, group_size=128, seed=0):
     return model
 
 
-def decode(cfg, quant: bool, batches, new_tokens, bandwidth, log, route: str = "xla"):
+def per_layer_copies(layers: dict) -> list[dict]:
+    """Stacked layer weights [L, ...] as L per-layer dicts, copied on the device (the weights' memory twice).
+    `amdllm.model.fast.layer_views` makes such views without copying on a CPU only; this lets a GPU run the
+    same unrolled decode step, to see what the layer scan costs there."""
+    import jax
+    L = jax.tree.leaves(layers)[0].shape[0]
+    return [jax.tree.map(lambda a, i=i: a[i], layers) for i in range(L)]
+
+
+def summarize_trace(trace_dir: str, steps: int, top: int = 12) -> dict:
+    """What a profile of `steps` decode steps says, from the trace's device planes: per line (a GPU stream,
+    or XLA's ops / modules lines), how many events, their summed duration and the span they cover, and the
+    costliest event names; device busy time per step against the traced wall time per step."""
+    import glob
+    from jax.profiler import ProfileData
+    files = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))
+    if not files:
+        return {"error": f"no .xplane.pb under {trace_dir}"}
+    data = ProfileData.from_file(files[-1])
+    out = {"file": files[-1], "planes": []}
+    for plane in data.planes:
+        if not plane.name.startswith("/device:"):
+            continue
+        lines = []
+        for line in plane.lines:
+            evs = [(e.name, e.duration_ns, e.start_ns) for e in line.events]
+            if not evs:
+                continue
+            by = {}
+            for name, dur, _ in evs:
+                n, t = by.get(name, (0, 0.0))
+                by[name] = (n + 1, t + dur)
+            busy = sum(d for _, d, _ in evs)
+            span = max(st + d for _, d, st in evs) - min(st for _, _, st in evs)
+            lines.append({"line": line.name, "events": len(evs), "busy_ms": busy / 1e6, "span_ms": span / 1e6,
+                          "busy_ms_per_step": busy / 1e6 / steps, "events_per_step": len(evs) / steps,
+                          "top": [{"name": k[:160], "count": n, "ms": t / 1e6}
+                                  for k, (n, t) in sorted(by.items(), key=lambda kv: -kv[1][1])[:top]]})
+        out["planes"].append({"plane": plane.name, "lines": lines})
+    return out
+
+
+def decode(cfg, quant: bool, batches, new_tokens, bandwidth, log, route: str = "xla",
+           variants=("scan", "unrolled"), profile_dir: str | None = None):
+    """Greedy decoding tokens/s per batch size and per way of running the layers: "scan" (the step scans the
+    stacked weights, as `generate` does on a GPU) and "unrolled" (per-layer copies of the weights, an
+    unrolled loop, as `generate` does on a CPU with zero-copy views). The steady rate counts from the third
+    step on (`Decoder.tokens_per_second`), so the first call's compilation is not in it. With profile_dir,
+    a second call at batch 1 of each variant is traced and summarized (`summarize_trace`)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
-    from amdllm.infer.generate import Decoder, generate_ids
+    from amdllm.infer import generate as G
     from amdllm.quant.calibrate import model_bytes
     from amdllm.model import Llama
     from amdllm.model.qmatmul import prepare_kernels
@@ -181,26 +230,53 @@ def decode(cfg, quant: bool, batches, new_tokens, bandwidth, log, route: str = "
     stats = jax.devices()[0].memory_stats() or {}
     in_use = stats.get("bytes_in_use")  # what the device holds (a uint4 array stored a byte per code shows)
     sheet = HBM_BYTES_PER_S.get(accelerator_name())
+    label = f"int4-g128 ({route})" if quant else "bf16"
     out = []
-    for B in batches:
-        prompts = np.random.default_rng(0).integers(3, cfg.vocab_size, (B, 32)).tolist()
-        generate_ids(model, prompts, new_tokens, eos_ids=())  # compile (same cache bucket as the timed run)
-        dec = Decoder(model, eos_ids=())
-        t0 = time.perf_counter()
-        generate_ids(model, prompts, new_tokens, eos_ids=(), decoder=dec)
-        sec = time.perf_counter() - t0
-        steady = dec.tokens_per_second()                      # decode only (prefill excluded), tokens/s
-        kv = 2 * cfg.num_hidden_layers * B * (32 + new_tokens) * cfg.kv_dim * 2
-        step_bytes = nbytes + kv
-        r = {"weights": f"int4-g128 ({route})" if quant else "bf16", "batch": B, "new_tokens": new_tokens,
-             "tokens_per_s_incl_prefill": B * new_tokens / sec, "tokens_per_s_decode": steady,
-             "steps_per_s_decode": steady / B if steady else None, "model_bytes": nbytes, "device_bytes_in_use": in_use,
-             "bound_steps_per_s_measured_bw": bandwidth / step_bytes,
-             "bound_steps_per_s_datasheet_bw": sheet / step_bytes if sheet else None}
-        r["fraction_of_measured_bound"] = r["steps_per_s_decode"] / r["bound_steps_per_s_measured_bw"] \
-            if steady else None
-        log(json.dumps(r))
-        out.append(r)
+    real_views = G.layer_views
+    copies = {}
+
+    def unrolled_views(layers, rows=1):
+        key = id(jax.tree.leaves(layers)[0])
+        if key not in copies:
+            copies.clear()
+            copies[key] = per_layer_copies(layers)
+        return copies[key]
+    try:
+        for variant in variants:
+            G.layer_views = unrolled_views if variant == "unrolled" else real_views
+            for B in batches:
+                prompts = np.random.default_rng(0).integers(3, cfg.vocab_size, (B, 32)).tolist()
+                dec = G.Decoder(model, eos_ids=(), per_layer=variant == "unrolled")
+                t0 = time.perf_counter()
+                G.generate_ids(model, prompts, new_tokens, eos_ids=(), decoder=dec)  # compiles, then steady
+                first = time.perf_counter() - t0
+                steady = dec.tokens_per_second()                      # decode only (from step 3), tokens/s
+                kv = 2 * cfg.num_hidden_layers * B * (32 + new_tokens) * cfg.kv_dim * 2
+                step_bytes = nbytes + kv
+                r = {"weights": label, "layers": variant, "batch": B, "new_tokens": new_tokens,
+                     "first_call_s_incl_compile": first, "tokens_per_s_decode": steady,
+                     "steps_per_s_decode": steady / B if steady else None, "model_bytes": nbytes,
+                     "device_bytes_in_use": in_use,
+                     "bound_steps_per_s_measured_bw": bandwidth / step_bytes,
+                     "bound_steps_per_s_datasheet_bw": sheet / step_bytes if sheet else None}
+                r["fraction_of_measured_bound"] = r["steps_per_s_decode"] / r["bound_steps_per_s_measured_bw"] \
+                    if steady else None
+                if profile_dir and B == 1:  # the same call again (compiled now), traced
+                    d = f"{profile_dir}/{route if quant else 'bf16'}_{variant}"
+                    try:
+                        opts = jax.profiler.ProfileOptions()
+                        opts.python_tracer_level = 0  # the device's kernels and XLA's host side, no Python frames
+                        jax.profiler.start_trace(d, profiler_options=opts)
+                        G.generate_ids(model, prompts, new_tokens, eos_ids=(), decoder=dec)
+                        jax.profiler.stop_trace()
+                        r["profile"] = summarize_trace(d, new_tokens)
+                    except Exception as e:  # a profiler that does not run here must not lose the timings
+                        r["profile"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+                log(json.dumps({k: v for k, v in r.items() if k != "profile"}))
+                out.append(r)
+    finally:
+        G.layer_views = real_views
+        copies.clear()
     del model
     jax.clear_caches()
     return out
@@ -263,19 +339,22 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test on a tiny shape")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip later phases past this many seconds")
     ap.add_argument("--lora-batches", default=None, help="comma-separated batch sizes to try, largest first")
-    ap.add_argument("--phases", default="ceilings,qmatmul,decode_bf16,decode_int4_pallas,decode_int4_xla4,"
-                                        "decode_int4,lora_step,lora_step_dots,lora_step_blocked")
+    ap.add_argument("--profile-dir", default=None, help="trace one batch-1 decode per phase and variant here")
+    ap.add_argument("--phases", default="ceilings,qmatmul,decode_bf16,decode_int4_pallas,lora_step_dots,"
+                                        "decode_int4_xla4,lora_step,lora_step_blocked,decode_int4")
     args = ap.parse_args()
     from amdllm.config import LlamaConfig, get_preset
     if args.tiny:
         cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-        seq, batches, steps, dec_b, new = 128, [4, 2], 2, [1, 2], 8
+        seq, batches, dots_batches, steps, dec_b, new = 128, [4, 2], [2], 2, [1, 2], 8
     else:
         cfg = get_preset("llama-3.1-8b")
-        seq, batches, steps, dec_b, new = 2048, [16, 8, 4, 2, 1], 5, [1, 8], 128
+        # remat dots keeps every projection's output: batch 16 x 2048 needs 137.5 GiB by amdllm.parallel.plan,
+        # over the H200's, so its search starts at 8 (76.7 GiB) instead of compiling a batch that cannot fit
+        seq, batches, dots_batches, steps, dec_b, new = 2048, [16, 8, 4, 2, 1], [8, 4, 2, 1], 3, [1, 8], 64
     if args.lora_batches:
-        batches = [int(b) for b in args.lora_batches.split(",")]
+        batches = dots_batches = [int(b) for b in args.lora_batches.split(",")]
     t0 = time.perf_counter()
     lines = []
 
@@ -295,14 +374,16 @@ def main():
     phases = {"ceilings": lambda: ceilings(args.tiny, log),
               "qmatmul": lambda: qmatmul_routes(cfg, bw(), log, args.tiny),
               "lora_step": lambda: lora_step(cfg, seq, batches, steps, result["ceilings"]["matmul_flops"], log),
-              "lora_step_dots": lambda: lora_step(cfg, seq, batches, steps, result["ceilings"]["matmul_flops"], log,
-                                                  remat="dots"),
+              "lora_step_dots": lambda: lora_step(cfg, seq, dots_batches, steps, result["ceilings"]["matmul_flops"],
+                                                  log, remat="dots"),
               "lora_step_blocked": lambda: lora_step(cfg, seq, batches, steps, result["ceilings"]["matmul_flops"],
                                                      log, "blocked"),
-              "decode_bf16": lambda: decode(cfg, False, dec_b, new, bw(), log),
-              "decode_int4": lambda: decode(cfg, True, dec_b, new, bw(), log, "xla"),
-              "decode_int4_pallas": lambda: decode(cfg, True, dec_b, new, bw(), log, "pallas"),
-              "decode_int4_xla4": lambda: decode(cfg, True, dec_b, new, bw(), log, "int4")}
+              "decode_bf16": lambda: decode(cfg, False, dec_b, new, bw(), log, profile_dir=args.profile_dir),
+              "decode_int4": lambda: decode(cfg, True, dec_b, new, bw(), log, "xla", profile_dir=args.profile_dir),
+              "decode_int4_pallas": lambda: decode(cfg, True, dec_b, new, bw(), log, "pallas",
+                                                   profile_dir=args.profile_dir),
+              "decode_int4_xla4": lambda: decode(cfg, True, dec_b, new, bw(), log, "int4",
+                                                 profile_dir=args.profile_dir)}
     import os
     result["xla_flags"] = os.environ.get("XLA_FLAGS", "")
     wanted = ["ceilings"] + [p for p in args.phases.split(",") if p != "ceilings"]
