@@ -206,10 +206,11 @@ def summarize_trace(trace_dir: str, steps: int, top: int = 12) -> dict:
 
 
 def decode(cfg, quant: bool, batches, new_tokens, bandwidth, log, route: str = "xla",
-           variants=("scan", "unrolled"), profile_dir: str | None = None):
+           variants=("scan", "sliced", "unrolled"), profile_dir: str | None = None):
     """Greedy decoding tokens/s per batch size and per way of running the layers: "scan" (the step scans the
-    stacked weights, as `generate` does on a GPU) and "unrolled" (per-layer copies of the weights, an
-    unrolled loop, as `generate` does on a CPU with zero-copy views). The steady rate counts from the third
+    stacked weights), "sliced" (`Decoder(unstack=True)`: an unrolled loop over static slices of the stacked
+    weights, inside the step) and "unrolled" (per-layer copies of the weights, an unrolled loop, as
+    `generate` does on a CPU with zero-copy views). The steady rate counts from the third
     step on (`Decoder.tokens_per_second`), so the first call's compilation is not in it. With profile_dir,
     a second call at batch 1 of each variant is traced and summarized (`summarize_trace`)."""
     import jax
@@ -246,7 +247,7 @@ def decode(cfg, quant: bool, batches, new_tokens, bandwidth, log, route: str = "
             G.layer_views = unrolled_views if variant == "unrolled" else real_views
             for B in batches:
                 prompts = np.random.default_rng(0).integers(3, cfg.vocab_size, (B, 32)).tolist()
-                dec = G.Decoder(model, eos_ids=(), per_layer=variant == "unrolled")
+                dec = G.Decoder(model, eos_ids=(), per_layer=variant == "unrolled", unstack=variant == "sliced")
                 t0 = time.perf_counter()
                 G.generate_ids(model, prompts, new_tokens, eos_ids=(), decoder=dec)  # compiles, then steady
                 first = time.perf_counter() - t0
@@ -261,7 +262,7 @@ def decode(cfg, quant: bool, batches, new_tokens, bandwidth, log, route: str = "
                      "bound_steps_per_s_datasheet_bw": sheet / step_bytes if sheet else None}
                 r["fraction_of_measured_bound"] = r["steps_per_s_decode"] / r["bound_steps_per_s_measured_bw"] \
                     if steady else None
-                if profile_dir and B == 1:  # the same call again (compiled now), traced
+                if profile_dir and B == 1 and variant != "unrolled":  # the same call again (compiled), traced
                     d = f"{profile_dir}/{route if quant else 'bf16'}_{variant}"
                     try:
                         opts = jax.profiler.ProfileOptions()
@@ -312,12 +313,23 @@ def qmatmul_routes(cfg, bandwidth, log, tiny: bool):
             runs = {"bf16_dense": (jax.jit(lambda x, w: x @ w), (x, dense), 2 * K * N),
                     "xla_dequant": (jax.jit(lambda x, q: Q.packed_matmul(x, q, x.dtype)), (x, q), qbytes),
                     "xla_int4": (jax.jit(Q.int4_matmul), (x, q4), qbytes)}
-            tilings = [(None, None)] + ([(64, 1), (64, 4), (128, 2), (32, 8)] if M <= 16 else [(128, 1), (64, 1)])
-            for bn, ks in tilings:
-                f = jax.jit(lambda x, a, b, c, bn=bn, ks=ks: Q.pallas_matmul(
-                    x, a, b, c, bits=4, group_size=128, block_n=bn, k_splits=ks, interpret=interpret))
-                runs[f"pallas_bn{bn or 'auto'}_ks{ks or 'auto'}"] = (f, (x, q["qweight"], q["qzeros"], q["scales"]),
-                                                                      qbytes)
+            # (block_n, k_splits, num_warps, gemv_rows): the GEMV kernel at decode rows, and at 8 rows also the
+            # tensor-core kernel (gemv_rows=0: 8 rows padded to a 16-row tile)
+            if M == 1:
+                tilings = [(None, None, 4, 16), (64, 1, 4, 16), (128, 1, 4, 16), (128, 2, 4, 16), (256, 1, 8, 16),
+                           (32, 8, 4, 16), (64, 4, 4, 16), (128, 4, 8, 16)]
+            elif M <= 16:
+                tilings = [(None, None, 4, 16), (32, 8, 4, 16), (64, 1, 4, 16), (None, None, 4, 0),
+                           (64, 1, 4, 0), (128, 1, 4, 0), (64, 4, 4, 0), (128, 2, 8, 0)]
+            else:
+                tilings = [(None, None, 4, 16), (128, 1, 4, 16), (64, 1, 4, 16), (128, 1, 8, 16)]
+            for bn, ks, nw, gr in tilings:
+                f = jax.jit(lambda x, a, b, c, bn=bn, ks=ks, nw=nw, gr=gr: Q.pallas_matmul(
+                    x, a, b, c, bits=4, group_size=128, block_n=bn, k_splits=ks, num_warps=nw, gemv_rows=gr,
+                    interpret=interpret))
+                kind = "gemv" if M <= gr else "dot"
+                runs[f"pallas_{kind}_bn{bn or 'auto'}_ks{ks or 'auto'}_w{nw}"] = (
+                    f, (x, q["qweight"], q["qzeros"], q["scales"]), qbytes)
             for name, (f, args, nbytes) in runs.items():
                 try:
                     got = np.asarray(f(*args), np.float32)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from amdllm.model import Run
 from amdllm.model.fast import forward
@@ -37,38 +38,47 @@ def step_logits(cfg, run: Run, top, layers, tok, pos, active, cache, cache_index
 # --------------------------------------------------------------------------------------------------
 # Sampling: pure functions over arrays
 # --------------------------------------------------------------------------------------------------
-def sample_token(logits, key, temperature, top_p):
+def sampling_mode(temperature, top_p) -> str:
+    """What a batch's sampler must compute, from its per-row settings on the host (numpy): "greedy" (no
+    row samples), "sample" (some row samples, none cuts the tail) or "nucleus". A static argument of the
+    jitted steps: a device-side conditional would make the host wait for its predicate every step
+    (XLA on a GPU copies it back), and the next step could not be launched while this one runs."""
+    temperature, top_p = np.asarray(temperature), np.asarray(top_p)
+    if not (temperature > 0).any():
+        return "greedy"
+    return "nucleus" if (top_p < 1).any() else "sample"
+
+
+def sample_token(logits, key, temperature, top_p, mode: str = "nucleus"):
     """logits [B, V] float32; temperature, top_p [B] -> token ids [B] int32.
 
     temperature 0 is greedy (argmax). Otherwise nucleus sampling: keep the smallest set of most likely
     tokens whose probability reaches top_p (the most likely token is always kept, so a tiny top_p is
     greedy; top_p 1 keeps all), renormalise, sample. The draw happens in vocabulary order whatever the
     other rows ask for, so a row samples the same token alone or in any batch; one key per row (row
-    index folded in) keeps rows independent. The sort is skipped when no row needs it (all greedy, or
-    all top_p = 1), which matters for a 128k vocabulary.
+    index folded in) keeps rows independent. `mode` (`sampling_mode`, static) skips what no row needs:
+    the draw when all rows are greedy, the sort when no row cuts the tail (which matters for a 128k
+    vocabulary); every mode gives the same tokens where it applies, and "nucleus" applies to any batch.
     """
     return sample_rows(logits, jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(logits.shape[0])),
-                       temperature, top_p)
+                       temperature, top_p, mode)
 
 
-def sample_rows(logits, keys, temperature, top_p):
+def sample_rows(logits, keys, temperature, top_p, mode: str = "nucleus"):
     """`sample_token` with one key per row given (keys [B, 2]): row b draws with keys[b] alone. Callers
-    that batch unrelated requests (the server) pass each request's own key, and must not vmap this: under
-    vmap the conditionals below become selects, and every step would sort and draw over [B, V]."""
+    that batch unrelated requests (the server) pass each request's own key, and must not vmap this."""
+    if mode not in ("greedy", "sample", "nucleus"):
+        raise ValueError(f"sampling mode must be greedy, sample or nucleus, got {mode!r}")
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    def nucleus(scaled):                                                    # [B, V] -> masked [B, V]
+    if mode == "greedy":
+        return greedy
+    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+    if mode == "nucleus":
         desc = -jnp.sort(-scaled, axis=-1)
         probs = jax.nn.softmax(desc, axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs                         # mass strictly above
         keep = (before < top_p[:, None]) | (top_p[:, None] >= 1.0)          # first token: before=0
         cutoff = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)  # smallest kept logit
-        return jnp.where(scaled >= cutoff, scaled, -jnp.inf)
-
-    def sampled(_):
-        scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-        scaled = jax.lax.cond(jnp.all(top_p >= 1.0), lambda s: s, nucleus, scaled)
-        return jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
-
-    tok = jax.lax.cond(jnp.any(temperature > 0), sampled, lambda _: greedy, None)
+        scaled = jnp.where(scaled >= cutoff, scaled, -jnp.inf)
+    tok = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
     return jnp.where(temperature > 0, tok, greedy)

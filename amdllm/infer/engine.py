@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from amdllm.infer.batch_cache import HeldCache, pad_slots, put_row, roll_slots, row_of
-from amdllm.infer.decode import inference_run, last_logits, sample_rows, step_logits
+from amdllm.infer.decode import inference_run, last_logits, sample_rows, sampling_mode, step_logits
 from amdllm.model import KVCache, to_pure
 from amdllm.cpu import cpu_compiler_options
 from amdllm.model.fast import init_cache, layer_views, prefill_layers
@@ -160,17 +160,17 @@ class Engine:
     def _build(self, model):
         cfg, run = self.cfg, inference_run(model)
 
-        def sample(logits, keys, k, temp, top_p):
+        def sample(logits, keys, k, temp, top_p, mode):
             # logits [B, V], keys [B, 2], k [B] token index per row -> [B]. generate's key schedule: a
             # request's token k draws with fold_in(fold_in(its key, k), 0), row 0 of a batch of one
             row_keys = jax.vmap(lambda key, i: jax.random.fold_in(jax.random.fold_in(key, i), 0))(keys, k)
-            return sample_rows(logits, row_keys, temp, top_p)
+            return sample_rows(logits, row_keys, temp, top_p, mode)
 
         held = self.held
         as_floats = lambda c: jax.tree.map(lambda x: held.release(x, self.dtype), c)  # noqa: E731
         as_held = lambda c: jax.tree.map(held.hold, c)  # noqa: E731
 
-        def prefill(top, layers, cache, row, tokens, positions, seg, start, key, temp, top_p):
+        def prefill(top, layers, cache, row, tokens, positions, seg, start, key, temp, top_p, mode):
             # one request into cache row `row`: tokens/positions/seg [1, P] left-padded, written at
             # slots [start, start+P); the row's other slots become invalid
             S = cache.valid.shape[1]
@@ -178,10 +178,10 @@ class Engine:
             last, sub = last_logits(cfg, run, top, layers, tokens, positions, seg, sub, start)   # [1, V]
             cache = KVCache(put_row(cache.k, as_held(sub.k), row), put_row(cache.v, as_held(sub.v), row),
                             jax.lax.dynamic_update_slice(cache.valid, sub.valid, (row, 0)))
-            tok = sample(last, key[None], jnp.zeros((1,), jnp.int32), temp, top_p)
+            tok = sample(last, key[None], jnp.zeros((1,), jnp.int32), temp, top_p, mode)
             return tok[0], cache
 
-        def step(top, layers, cache, tok, pos, active, c, keys, k, temp, top_p):
+        def step(top, layers, cache, tok, pos, active, c, keys, k, temp, top_p, mode):
             # tok/pos/active/k/temp/top_p [n]: the cache's first n rows; every row writes slot c; inactive
             # rows stay invalid
             n = tok.shape[0]
@@ -189,7 +189,7 @@ class Engine:
             logits, sub = step_logits(cfg, run, top, layers, tok, pos, active, sub, c)     # [n, V]
             cache = KVCache(put_row(cache.k, as_held(sub.k), 0), put_row(cache.v, as_held(sub.v), 0),
                             jax.lax.dynamic_update_slice(cache.valid, sub.valid, (0, 0)))
-            return sample(logits, keys, k, temp, top_p), cache
+            return sample(logits, keys, k, temp, top_p, mode), cache
 
         def move(cache, src, dst):  # row src's slots into row dst
             valid = jax.lax.dynamic_slice_in_dim(cache.valid, src, 1)
@@ -203,8 +203,9 @@ class Engine:
 
         # the cache is donated: XLA may update it in place instead of copying [L, B, Hkv, S, hd] twice a
         # step (jax 0.10's CPU client implements donation too)
-        self._prefill = jax.jit(prefill, donate_argnums=(2,))
-        self._step = jax.jit(step, donate_argnums=(2,),
+        # mode (decode.sampling_mode) is static: at most three compiled variants of each
+        self._prefill = jax.jit(prefill, donate_argnums=(2,), static_argnames=("mode",))
+        self._step = jax.jit(step, donate_argnums=(2,), static_argnames=("mode",),
                              compiler_options=cpu_compiler_options("decode", cfg.hidden_size))
         self._shift = jax.jit(shift, donate_argnums=(0,))
         self._move = jax.jit(move, donate_argnums=(0,))
@@ -327,7 +328,8 @@ class Engine:
         key = np.asarray(jax.random.key_data(jax.random.PRNGKey(seed)))
         tok, self.cache = self._prefill(self.top, prefill_layers(self.layers, self.views, Pb), self.cache,
                                         jnp.int32(row), toks, positions, seg, jnp.int32(c - Pb), key,
-                                        np.float32([req.temperature]), np.float32([req.top_p]))
+                                        np.float32([req.temperature]), np.float32([req.top_p]),
+                                        mode=sampling_mode(req.temperature, req.top_p))
         self.rows[row] = _Row(req, start=c - Pb, pos=P, key=key, stream=TextStream(self.tokenizer, req.stop))
         self.stats["requests"] += 1
         self._accept(row, int(tok))
@@ -358,7 +360,7 @@ class Engine:
                 temp[i], top_p[i] = r.req.temperature, r.req.top_p
         layers = self.layers if self.views is None else self.views
         nxt, self.cache = self._step(self.top, layers, self.cache, tok, pos, act, jnp.int32(self.c),
-                                     keys, k, temp, top_p)
+                                     keys, k, temp, top_p, mode=sampling_mode(temp, top_p))
         nxt = np.asarray(nxt)  # the one device->host copy per step
         self.c += 1
         n = int(act.sum())

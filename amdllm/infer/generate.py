@@ -31,7 +31,7 @@ from amdllm import native
 from amdllm.io import checkpoint
 from amdllm.io.peft import load_adapter
 from amdllm.io.tokenizer import load_tokenizer, pad_id
-from amdllm.infer.decode import inference_run, last_logits, sample_token, step_logits
+from amdllm.infer.decode import inference_run, last_logits, sample_token, sampling_mode, step_logits
 from amdllm.model import KVCache, to_pure
 from amdllm.cpu import cpu_compiler_options
 from amdllm.model.fast import init_cache, layer_views, prefill_layers, split_cache
@@ -62,25 +62,29 @@ def _compiled(model):
     run = inference_run(model)
 
     def prefill(top, layers, tokens, positions, segment_ids, key, temperature, top_p, cache_len,
-                per_layer=False):
+                per_layer=False, mode="nucleus"):
         # tokens/positions/segment_ids [B, P] left-padded: the last column is a real token in every row.
         # cache_len (static) fixes the cache shape. The prefill scans the stacked weights (large matmuls,
         # flat compile time), or runs over per-layer views where its rows fit the native kernel
         # (`prefill_layers`), and hands the step a per-layer cache when it runs per-layer weights.
         cache = init_cache(cfg, tokens.shape[0], cache_len, run.dtype)
         last, cache = last_logits(cfg, run, top, layers, tokens, positions, segment_ids, cache, 0)  # [B, V]
-        tok = sample_token(last, jax.random.fold_in(key, 0), temperature, top_p)
+        tok = sample_token(last, jax.random.fold_in(key, 0), temperature, top_p, mode)
         return tok, last, split_cache(cache) if per_layer else cache
 
-    def step(top, layers, tok, pos, cache: KVCache, cache_index, i, key, temperature, top_p):
-        # tok/pos [B]: the token just produced and its RoPE position; written at slot cache_index
+    def step(top, layers, tok, pos, cache: KVCache, cache_index, i, key, temperature, top_p, mode="nucleus",
+             unstack=False):
+        # tok/pos [B]: the token just produced and its RoPE position; written at slot cache_index.
+        # unstack: run the stacked layers as an unrolled loop over static slices (`Decoder`)
+        if unstack:
+            layers = [jax.tree.map(lambda a, i=i: a[i], layers) for i in range(cfg.num_hidden_layers)]
         logits, cache = step_logits(cfg, run, top, layers, tok, pos, jnp.ones_like(tok), cache, cache_index)
-        nxt = sample_token(logits, jax.random.fold_in(key, i), temperature, top_p)
+        nxt = sample_token(logits, jax.random.fold_in(key, i), temperature, top_p, mode)
         return nxt, logits, cache
 
     # the cache is rewritten every step: donate it so XLA writes the new slot in place
-    _COMPILED[key] = (jax.jit(prefill, static_argnames=("cache_len", "per_layer")),
-                      jax.jit(step, donate_argnums=(4,),
+    _COMPILED[key] = (jax.jit(prefill, static_argnames=("cache_len", "per_layer", "mode")),
+                      jax.jit(step, donate_argnums=(4,), static_argnames=("mode", "unstack"),
                               compiler_options=cpu_compiler_options("decode", cfg.hidden_size)))
     return _COMPILED[key]
 
@@ -113,11 +117,15 @@ def pack_prompts(prompt_ids: Sequence[Sequence[int]], pad_id: int = 0, bucket: i
 class Decoder:
     """Streaming batched decoding for one model. `stream` yields, per step, one new token id per row
     (None once that row has finished); `return_logits=True` yields (tokens, logits [B, V]) instead.
-    per_layer=False keeps the decode step's layer scan even on the CPU (see `layer_views`)."""
+    per_layer=False keeps the decode step's layer scan even on the CPU (see `layer_views`).
+    unstack=True, where there are no views (an accelerator), runs the step's layers as an unrolled loop
+    over static slices of the stacked weights instead of a scan (`benchmarks/gpu.py` compares them)."""
 
-    def __init__(self, model, *, eos_ids: Sequence[int] = (), pad_id: int = 0, per_layer: bool = True):
+    def __init__(self, model, *, eos_ids: Sequence[int] = (), pad_id: int = 0, per_layer: bool = True,
+                 unstack: bool = False):
         self.model = expect_model(model, "Decoder")
         self.per_layer = per_layer
+        self.unstack = unstack
         self.eos_ids = tuple(sorted({int(e) for e in eos_ids}))
         self.pad_id = int(pad_id)
         self.prefill, self.step = _compiled(model)
@@ -146,9 +154,11 @@ class Decoder:
         B, P = tokens.shape
         S = _round_up(P + max_new_tokens - 1, CACHE_BUCKET)  # the last new token is never written
         temp, tp = _per_row(temperature, B, "temperature"), _per_row(top_p, B, "top_p")
+        mode = sampling_mode(np.asarray(temp), np.asarray(tp))
+        unstack = views is None and self.unstack
         key = jax.random.PRNGKey(seed)
         tok, logits, cache = self.prefill(top, prefill_layers(layers, views, B * P), tokens, positions, seg, key,
-                                          temp, tp, cache_len=S, per_layer=views is not None)
+                                          temp, tp, cache_len=S, per_layer=views is not None or unstack, mode=mode)
         step_layers = layers if views is None else views
         done = np.zeros(B, bool)
         eos = np.array(self.eos_ids, np.int64)
@@ -162,7 +172,8 @@ class Decoder:
         for i in range(max_new_tokens):
             nxt = None
             if i < max_new_tokens - 1:
-                nxt = self.step(top, step_layers, tok, pos, cache, P + i, i + 1, key, temp, tp)
+                nxt = self.step(top, step_layers, tok, pos, cache, P + i, i + 1, key, temp, tp, mode=mode,
+                                unstack=unstack)
                 cache = nxt[2]
                 pos = pos + 1  # numpy
             host = np.asarray(tok)

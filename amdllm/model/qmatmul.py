@@ -9,10 +9,12 @@ where the data already is:
                  Pallas to Triton on ROCm). Each program owns a [block_m, block_n] tile of the output and a
                  slice of K; per group of rows it reads the packed int32 words, one row of scales and one
                  of packed zeros, unpacks and scales them in registers, and accumulates in float32.
-                 Two inner products: `pl.dot` for prefill-sized row blocks (GEMM), and a broadcast
-                 multiply-and-sum for decode (GEMV-shaped, M <= 16 rows, where a tensor-core tile would be
-                 mostly padding). K can be split over programs (`k_splits`): at batch 1 a 4096-wide output
-                 is only 32-64 tiles, too few to keep 132 SMs reading.
+                 Two inner products: a dot on tensor cores for prefill-sized row blocks (GEMM), and a
+                 broadcast multiply-and-sum for decode (GEMV-shaped, M <= 16 rows, where a tensor-core
+                 tile would be mostly padding), which multiplies each bit plane of the words as it is
+                 unpacked and takes the zero and scale out of the sum. K can be split over programs
+                 (`k_splits`): at batch 1 a 4096-wide output is only 32-64 tiles, too few to keep 132
+                 SMs reading.
   int4_matmul    Codes stored as `jnp.uint4` [K, N] (half a byte each, as in the packed words); the
                  convert, the zero and the scale are elementwise ops XLA may fuse into the dot's operand.
 
@@ -73,9 +75,9 @@ def sort_act_order(q: dict) -> tuple[dict, np.ndarray | None]:
 # --------------------------------------------------------------------------------------------------
 # The Pallas kernel
 # --------------------------------------------------------------------------------------------------
-def _kernel(x_ref, qw_ref, qz_ref, s_ref, o_ref, *, bits, group_size, words_per_step, steps, gemv):
-    # refs: x [bm, Kp*p] (this split's K rows), qweight [Kp, bn] words, qzeros [G, bn/p], scales [G, bn];
-    # the output tile [bm, bn] is this split's partial sum, in float32.
+def _dot_kernel(x_ref, qw_ref, qz_ref, s_ref, o_ref, *, bits, group_size, words_per_step, steps):
+    # prefill rows (GEMM). refs: x [bm, Kp*p] (this split's K rows), qweight [Kp, bn] words, qzeros
+    # [G, bn/p], scales [G, bn]; the output tile [bm, bn] is this split's partial sum, in float32.
     p = 32 // bits
     rows = words_per_step * p                       # K rows per step, all in one group
     bm, bn = o_ref.shape[-2], o_ref.shape[-1]
@@ -86,14 +88,48 @@ def _kernel(x_ref, qw_ref, qz_ref, s_ref, o_ref, *, bits, group_size, words_per_
         codes = unpack_rows(w, bits).astype(jnp.float32)                            # [rows, bn]
         zero = unpack_cols(qz_ref[pl.ds(g, 1), :], bits).astype(jnp.float32)        # [1, bn]
         scale = s_ref[pl.ds(g, 1), :].astype(jnp.float32)                           # [1, bn]
-        kernel = (codes - zero) * scale                                             # [rows, bn]
-        x = x_ref[:, pl.ds(i * rows, rows)].astype(jnp.float32)                     # [bm, rows]
-        if gemv:
-            return acc + jnp.sum(x[:, :, None] * kernel[None, :, :], axis=1)        # [bm, bn]
-        return acc + pl.dot(x.astype(x_ref.dtype), kernel.astype(x_ref.dtype))     # tensor cores, f32 out
+        kernel = ((codes - zero) * scale).astype(x_ref.dtype)                       # [rows, bn]
+        x = x_ref[:, pl.ds(i * rows, rows)]                                         # [bm, rows]
+        return acc + jnp.dot(x, kernel, preferred_element_type=jnp.float32)        # tensor cores, f32 out
 
     acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((bm, bn), jnp.float32))
     o_ref[...] = acc.reshape(o_ref.shape)
+
+
+def _gemv_kernel(x_ref, qw_ref, qz_ref, s_ref, o_ref, *, bits, group_size, words_per_step, steps):
+    # decode rows (GEMV-shaped: a tensor-core tile would be mostly padding). The same refs, but x's rows
+    # come in plane order within each step (`_planes`): word w's code j multiplies x[:, j * wps + w].
+    # No unpacked [rows, bn] kernel is built: each of the p bit planes of the words is multiplied
+    # straight away, and the zero and scale come out of the sum, once per group:
+    #   sum_k x_k (c_k - z) s = s (sum_k x_k c_k - z sum_k x_k)
+    p = 32 // bits
+    wps = words_per_step
+    bm, bn = o_ref.shape[-2], o_ref.shape[-1]
+
+    def step(i, acc):
+        g = i * wps * p // group_size
+        w = qw_ref[pl.ds(i * wps, wps), :]                                          # [wps, bn] int32
+        zero = unpack_cols(qz_ref[pl.ds(g, 1), :], bits).astype(jnp.float32)        # [1, bn]
+        scale = s_ref[pl.ds(g, 1), :].astype(jnp.float32)                           # [1, bn]
+        xc = jnp.zeros((bm, bn), jnp.float32)
+        xsum = jnp.zeros((bm, 1), jnp.float32)
+        for j in range(p):                                                          # static: p planes
+            c = ((w >> (bits * j)) & (2 ** bits - 1)).astype(jnp.float32)           # [wps, bn]
+            xj = x_ref[:, pl.ds(i * wps * p + j * wps, wps)].astype(jnp.float32)    # [bm, wps]
+            xc = xc + jnp.sum(xj[:, :, None] * c[None, :, :], axis=1)               # [bm, bn]
+            xsum = xsum + jnp.sum(xj, axis=1, keepdims=True)
+        return acc + scale * (xc - zero * xsum)
+
+    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((bm, bn), jnp.float32))
+    o_ref[...] = acc.reshape(o_ref.shape)
+
+
+def _planes(x, rows: int, bits: int):
+    """x [M, K] with each run of `rows` columns reordered from word order (k = w * p + j) to plane order
+    (j * wps + w), as `_gemv_kernel` reads it."""
+    M, K = x.shape
+    p = 32 // bits
+    return x.reshape(M, K // rows, rows // p, p).swapaxes(2, 3).reshape(M, K)
 
 
 def _next_pow2(n: int) -> int:
@@ -101,14 +137,15 @@ def _next_pow2(n: int) -> int:
 
 
 def plan_blocks(M: int, K: int, N: int, bits: int, group_size: int, *, block_n: int | None = None,
-                k_splits: int | None = None, block_m: int | None = None) -> dict:
+                k_splits: int | None = None, block_m: int | None = None, gemv_rows: int = GEMV_MAX_ROWS) -> dict:
     """Static tiling for pallas_matmul -> {block_m, block_n, k_splits, words_per_step, gemv, rows_m};
     raises ValueError when the shape does not tile (the caller keeps the reference path)."""
     p = check_bits(bits)
     if group_size % p or K % group_size:
         raise ValueError(f"group size {group_size} must divide K={K} and be a multiple of {p} ({bits}-bit words)")
-    gemv = M <= GEMV_MAX_ROWS
-    bm = block_m or (_next_pow2(M) if gemv else 64)
+    gemv = M <= gemv_rows
+    # the dot's tiles need 16 rows at least (Triton); decode rows take the next power of two
+    bm = block_m or (_next_pow2(M) if gemv else min(64, max(16, _next_pow2(M))))
     bn = block_n or min(64 if gemv else 128, N & -N)  # the largest power of two dividing N, up to the default
     if N % bn or bn & (bn - 1) or bn % p:
         raise ValueError(f"N={N} does not tile by block_n={bn} (a power of two and a multiple of {p})")
@@ -124,21 +161,27 @@ def plan_blocks(M: int, K: int, N: int, bits: int, group_size: int, *, block_n: 
             "rows_m": -(-M // bm) * bm}
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_n", "k_splits", "block_m", "interpret"))
+@functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_n", "k_splits", "block_m", "interpret",
+                                             "gemv_rows", "num_warps"))
 def pallas_matmul(x, qweight, qzeros, scales, *, bits: int, group_size: int, block_n: int | None = None,
-                  k_splits: int | None = None, block_m: int | None = None, interpret: bool = False):
+                  k_splits: int | None = None, block_m: int | None = None, interpret: bool = False,
+                  gemv_rows: int = GEMV_MAX_ROWS, num_warps: int = 4):
     """x [M, K] @ dequant(qweight [K/p, N], qzeros (v2) [G, N/p], scales [G, N]) -> [M, N] in x's dtype,
     groups in order (g_idx == k // group_size; see sort_act_order). interpret=True runs Pallas'
-    interpreter (any backend); otherwise the kernel is lowered through Triton (NVIDIA and AMD GPUs)."""
+    interpreter (any backend); otherwise the kernel is lowered through Triton (NVIDIA and AMD GPUs).
+    Up to gemv_rows rows run the GEMV-shaped kernel, more the tensor-core one."""
     M, K = x.shape
     N = qweight.shape[1]
-    t = plan_blocks(M, K, N, bits, group_size, block_n=block_n, k_splits=k_splits, block_m=block_m)
+    t = plan_blocks(M, K, N, bits, group_size, block_n=block_n, k_splits=k_splits, block_m=block_m,
+                    gemv_rows=gemv_rows)
     bm, bn, ks, p = t["block_m"], t["block_n"], t["k_splits"], 32 // bits
     xp = jnp.pad(x, ((0, t["rows_m"] - M), (0, 0)))                        # [Mp, K]
+    if t["gemv"]:
+        xp = _planes(xp, t["words_per_step"] * p, bits)
     Kw, G = K // p // ks, K // group_size // ks                               # words and groups per split
     steps = Kw // t["words_per_step"]
-    kernel = functools.partial(_kernel, bits=bits, group_size=group_size, words_per_step=t["words_per_step"],
-                               steps=steps, gemv=t["gemv"])
+    kernel = functools.partial(_gemv_kernel if t["gemv"] else _dot_kernel, bits=bits, group_size=group_size,
+                               words_per_step=t["words_per_step"], steps=steps)
     partial = pl.pallas_call(
         kernel,
         grid=(t["rows_m"] // bm, N // bn, ks),
@@ -148,7 +191,7 @@ def pallas_matmul(x, qweight, qzeros, scales, *, bits: int, group_size: int, blo
                   pl.BlockSpec((G, bn), lambda i, j, s: (s, j))],
         out_specs=pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j)),
         out_shape=jax.ShapeDtypeStruct((ks, t["rows_m"], N), jnp.float32),
-        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
         interpret=interpret,
         name="gptq_matmul",
     )(xp, qweight, qzeros, scales)
