@@ -351,6 +351,7 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test on a tiny shape")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip later phases past this many seconds")
     ap.add_argument("--lora-batches", default=None, help="comma-separated batch sizes to try, largest first")
+    ap.add_argument("--decode-variants", default="scan,sliced,unrolled", help="ways to run the layers (decode)")
     ap.add_argument("--profile-dir", default=None, help="trace one batch-1 decode per phase and variant here")
     ap.add_argument("--phases", default="ceilings,qmatmul,decode_bf16,decode_int4_pallas,lora_step_dots,"
                                         "decode_int4_xla4,lora_step,lora_step_blocked,decode_int4")
@@ -382,6 +383,7 @@ def main():
             (Path(args.out) / "gpu.json").write_text(json.dumps(result, indent=2) + "\n")
 
     import jax
+    dec_kw = {"profile_dir": args.profile_dir, "variants": tuple(args.decode_variants.split(","))}
     bw = lambda: result["ceilings"]["copy_bytes_per_s"]  # noqa: E731
     phases = {"ceilings": lambda: ceilings(args.tiny, log),
               "qmatmul": lambda: qmatmul_routes(cfg, bw(), log, args.tiny),
@@ -390,12 +392,10 @@ def main():
                                                   log, remat="dots"),
               "lora_step_blocked": lambda: lora_step(cfg, seq, batches, steps, result["ceilings"]["matmul_flops"],
                                                      log, "blocked"),
-              "decode_bf16": lambda: decode(cfg, False, dec_b, new, bw(), log, profile_dir=args.profile_dir),
-              "decode_int4": lambda: decode(cfg, True, dec_b, new, bw(), log, "xla", profile_dir=args.profile_dir),
-              "decode_int4_pallas": lambda: decode(cfg, True, dec_b, new, bw(), log, "pallas",
-                                                   profile_dir=args.profile_dir),
-              "decode_int4_xla4": lambda: decode(cfg, True, dec_b, new, bw(), log, "int4",
-                                                 profile_dir=args.profile_dir)}
+              "decode_bf16": lambda: decode(cfg, False, dec_b, new, bw(), log, **dec_kw),
+              "decode_int4": lambda: decode(cfg, True, dec_b, new, bw(), log, "xla", **dec_kw),
+              "decode_int4_pallas": lambda: decode(cfg, True, dec_b, new, bw(), log, "pallas", **dec_kw),
+              "decode_int4_xla4": lambda: decode(cfg, True, dec_b, new, bw(), log, "int4", **dec_kw)}
     import os
     result["xla_flags"] = os.environ.get("XLA_FLAGS", "")
     wanted = ["ceilings"] + [p for p in args.phases.split(",") if p != "ceilings"]

@@ -36,7 +36,7 @@ def reference(x, q):
     return np.asarray(Q.reference_matmul(jnp.asarray(x, jnp.float32), {k: jnp.asarray(v) for k, v in q.items()}))
 
 
-CASES = [  # M, K, N, bits, group size, act-order: decode rows (GEMV) and prefill rows (GEMM)
+CASES = [  # M, K, N, bits, group size, act-order: decode rows and prefill rows
     (1, 256, 128, 4, 128, False), (3, 512, 256, 4, 64, True), (16, 256, 64, 4, 32, True),
     (40, 256, 256, 4, 128, True), (2, 256, 128, 8, 32, False), (1, 256, 128, 2, 128, False),
     (5, 256, 128, 4, 256, False),    # per-channel: one group of all K rows
@@ -52,10 +52,11 @@ def test_pallas_kernel_equals_the_reference(M, K, N, bits, gs, act):
     assert np.array_equal(sorted_q["g_idx"], np.arange(K) // gs)
     xs = x[:, perm] if act else x
     ref = reference(x, q)
-    for ks in (None, 1):  # the default split of K over programs, and none
+    # the default split of K over programs, and none; decode rows also through the GEMV kernel
+    for ks, gemv_rows in ((None, Q.GEMV_MAX_ROWS), (1, Q.GEMV_MAX_ROWS)) + (((None, M),) if M > 1 else ()):
         got = Q.pallas_matmul(jnp.asarray(xs), jnp.asarray(sorted_q["qweight"]), jnp.asarray(sorted_q["qzeros"]),
                               jnp.asarray(sorted_q["scales"]), bits=bits, group_size=Q.group_size_of(sorted_q),
-                              k_splits=ks, interpret=True)
+                              k_splits=ks, gemv_rows=gemv_rows, interpret=True)
         assert got.shape == (M, N) and got.dtype == jnp.float32
         np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     # in half precision (what a GPU runs): to fp16 rounding of the inputs and the output

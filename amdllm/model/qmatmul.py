@@ -9,12 +9,11 @@ where the data already is:
                  Pallas to Triton on ROCm). Each program owns a [block_m, block_n] tile of the output and a
                  slice of K; per group of rows it reads the packed int32 words, one row of scales and one
                  of packed zeros, unpacks and scales them in registers, and accumulates in float32.
-                 Two inner products: a dot on tensor cores for prefill-sized row blocks (GEMM), and a
-                 broadcast multiply-and-sum for decode (GEMV-shaped, M <= 16 rows, where a tensor-core
-                 tile would be mostly padding), which multiplies each bit plane of the words as it is
-                 unpacked and takes the zero and scale out of the sum. K can be split over programs
-                 (`k_splits`): at batch 1 a 4096-wide output is only 32-64 tiles, too few to keep 132
-                 SMs reading.
+                 Two inner products: a dot on tensor cores for row blocks (decode batches padded to 16
+                 rows, and prefill), and a broadcast multiply-and-sum for a single row (batch-1
+                 decoding), where a tensor-core tile would be mostly padding. K can be split over
+                 programs (`k_splits`): at batch 1 a 4096-wide output is only 32-64 tiles, too few to
+                 keep 132 SMs reading.
   int4_matmul    Codes stored as `jnp.uint4` [K, N] (half a byte each, as in the packed words); the
                  convert, the zero and the scale are elementwise ops XLA may fuse into the dot's operand.
 
@@ -39,7 +38,11 @@ from amdllm.model.quantized import (QUANT_KEYS, QuantFormatError, QuantLinear, Q
                                     dequantize, dequantizing_backward, group_count, infer_bits, pack_cols,
                                     pack_rows, quantized_matmul, unpack_cols, unpack_rows)
 
-GEMV_MAX_ROWS = 16  # up to this many rows of x: the multiply-and-sum inner product (decode)
+GEMV_MAX_ROWS = 1   # up to this many rows of x: the multiply-and-sum inner product (batch-1 decoding)
+DECODE_ROWS = 16    # up to this many rows (a decode batch): narrower tiles, K split over programs
+# Measured on an H200 (benchmarks/results/gpu_h200_run4.json, the 8B gate/up and down shapes): at 8 rows
+# the tensor-core kernel took 62-79 us against 176-221 us for the multiply-and-sum one, so the latter
+# serves one row only.
 
 
 # --------------------------------------------------------------------------------------------------
@@ -97,39 +100,24 @@ def _dot_kernel(x_ref, qw_ref, qz_ref, s_ref, o_ref, *, bits, group_size, words_
 
 
 def _gemv_kernel(x_ref, qw_ref, qz_ref, s_ref, o_ref, *, bits, group_size, words_per_step, steps):
-    # decode rows (GEMV-shaped: a tensor-core tile would be mostly padding). The same refs, but x's rows
-    # come in plane order within each step (`_planes`): word w's code j multiplies x[:, j * wps + w].
-    # No unpacked [rows, bn] kernel is built: each of the p bit planes of the words is multiplied
-    # straight away, and the zero and scale come out of the sum, once per group:
-    #   sum_k x_k (c_k - z) s = s (sum_k x_k c_k - z sum_k x_k)
+    # a decode row (GEMV-shaped: a tensor-core tile would be mostly padding). The same refs; the kernel
+    # slice is dequantized in float32 and multiplied by broadcasting, then summed over its rows.
     p = 32 // bits
-    wps = words_per_step
+    rows = words_per_step * p
     bm, bn = o_ref.shape[-2], o_ref.shape[-1]
 
     def step(i, acc):
-        g = i * wps * p // group_size
-        w = qw_ref[pl.ds(i * wps, wps), :]                                          # [wps, bn] int32
+        g = i * rows // group_size
+        w = qw_ref[pl.ds(i * words_per_step, words_per_step), :]                    # [wps, bn] int32
+        codes = unpack_rows(w, bits).astype(jnp.float32)                            # [rows, bn]
         zero = unpack_cols(qz_ref[pl.ds(g, 1), :], bits).astype(jnp.float32)        # [1, bn]
         scale = s_ref[pl.ds(g, 1), :].astype(jnp.float32)                           # [1, bn]
-        xc = jnp.zeros((bm, bn), jnp.float32)
-        xsum = jnp.zeros((bm, 1), jnp.float32)
-        for j in range(p):                                                          # static: p planes
-            c = ((w >> (bits * j)) & (2 ** bits - 1)).astype(jnp.float32)           # [wps, bn]
-            xj = x_ref[:, pl.ds(i * wps * p + j * wps, wps)].astype(jnp.float32)    # [bm, wps]
-            xc = xc + jnp.sum(xj[:, :, None] * c[None, :, :], axis=1)               # [bm, bn]
-            xsum = xsum + jnp.sum(xj, axis=1, keepdims=True)
-        return acc + scale * (xc - zero * xsum)
+        kernel = (codes - zero) * scale                                             # [rows, bn]
+        x = x_ref[:, pl.ds(i * rows, rows)].astype(jnp.float32)                     # [bm, rows]
+        return acc + jnp.sum(x[:, :, None] * kernel[None, :, :], axis=1)            # [bm, bn]
 
     acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((bm, bn), jnp.float32))
     o_ref[...] = acc.reshape(o_ref.shape)
-
-
-def _planes(x, rows: int, bits: int):
-    """x [M, K] with each run of `rows` columns reordered from word order (k = w * p + j) to plane order
-    (j * wps + w), as `_gemv_kernel` reads it."""
-    M, K = x.shape
-    p = 32 // bits
-    return x.reshape(M, K // rows, rows // p, p).swapaxes(2, 3).reshape(M, K)
 
 
 def _next_pow2(n: int) -> int:
@@ -143,10 +131,10 @@ def plan_blocks(M: int, K: int, N: int, bits: int, group_size: int, *, block_n: 
     p = check_bits(bits)
     if group_size % p or K % group_size:
         raise ValueError(f"group size {group_size} must divide K={K} and be a multiple of {p} ({bits}-bit words)")
-    gemv = M <= gemv_rows
-    # the dot's tiles need 16 rows at least (Triton); decode rows take the next power of two
+    gemv, decode = M <= gemv_rows, M <= DECODE_ROWS
+    # the dot's tiles need 16 rows at least (Triton); a GEMV row block is the next power of two
     bm = block_m or (_next_pow2(M) if gemv else min(64, max(16, _next_pow2(M))))
-    bn = block_n or min(64 if gemv else 128, N & -N)  # the largest power of two dividing N, up to the default
+    bn = block_n or min(64 if decode else 128, N & -N)  # the largest power of two dividing N, up to the default
     if N % bn or bn & (bn - 1) or bn % p:
         raise ValueError(f"N={N} does not tile by block_n={bn} (a power of two and a multiple of {p})")
     # one group per step when groups are small; per-channel (one group) steps through 128 rows at a time
@@ -154,7 +142,7 @@ def plan_blocks(M: int, K: int, N: int, bits: int, group_size: int, *, block_n: 
     if group_size % rows:
         raise ValueError(f"group size {group_size} is not a multiple of 128 rows")
     n_groups = K // group_size
-    ks = k_splits or (max(1, min(n_groups, 256 // max(1, N // bn))) if gemv else 1)
+    ks = k_splits or (max(1, min(n_groups, 256 // max(1, N // bn))) if decode else 1)  # ~256 programs
     while n_groups % ks:  # a split holds whole groups
         ks -= 1
     return {"block_m": bm, "block_n": bn, "k_splits": ks, "words_per_step": rows // p, "gemv": gemv,
@@ -176,8 +164,6 @@ def pallas_matmul(x, qweight, qzeros, scales, *, bits: int, group_size: int, blo
                     gemv_rows=gemv_rows)
     bm, bn, ks, p = t["block_m"], t["block_n"], t["k_splits"], 32 // bits
     xp = jnp.pad(x, ((0, t["rows_m"] - M), (0, 0)))                        # [Mp, K]
-    if t["gemv"]:
-        xp = _planes(xp, t["words_per_step"] * p, bits)
     Kw, G = K // p // ks, K // group_size // ks                               # words and groups per split
     steps = Kw // t["words_per_step"]
     kernel = functools.partial(_gemv_kernel if t["gemv"] else _dot_kernel, bits=bits, group_size=group_size,
