@@ -172,10 +172,33 @@ def test_per_layer_decoding_shares_weight_memory_and_matches_the_scan(models):
             assert v[name].unsafe_buffer_pointer() == stacked.unsafe_buffer_pointer() + i * per, name
             np.testing.assert_array_equal(np.asarray(v[name]), np.asarray(stacked[i]))
     fast = list(Decoder(ours, eos_ids=()).stream(PROMPTS, 10, return_logits=True))
-    scan = list(Decoder(ours, eos_ids=(), per_layer=False).stream(PROMPTS, 10, return_logits=True))
-    assert [s[0] for s in fast] == [s[0] for s in scan]
-    for (_, a), (_, b) in zip(fast, scan):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=0)
+    scan = list(Decoder(ours, eos_ids=(), per_layer=False, unstack=False).stream(PROMPTS, 10, return_logits=True))
+    # what a GPU runs by default: the stacked weights unrolled as static slices inside the step
+    sliced = list(Decoder(ours, eos_ids=(), per_layer=False, unstack=True).stream(PROMPTS, 10, return_logits=True))
+    for other in (fast, sliced):
+        assert [s[0] for s in other] == [s[0] for s in scan]
+        for (_, a), (_, b) in zip(other, scan):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=0)
+
+
+def test_sampling_mode_is_static_and_each_mode_gives_the_general_tokens():
+    """The sampler's branches are chosen on the host (`sampling_mode`), not by a conditional in the step:
+    on a GPU, XLA copies a conditional's predicate back to the host, which then waits for every step
+    before launching the next (BENCHMARKS.md, "On a GPU"). Each mode gives the tokens "nucleus" gives."""
+    from amdllm.infer.decode import sampling_mode
+    assert sampling_mode([0.0, 0.0], [1.0, 0.5]) == "greedy"
+    assert sampling_mode([0.0, 0.7], [1.0, 1.0]) == "sample"
+    assert sampling_mode([0.0, 0.7], [1.0, 0.9]) == "nucleus"
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(3, 40)) * 2, jnp.float32)
+    key = jax.random.PRNGKey(0)
+    f = jax.jit(sample_token, static_argnames="mode")
+    for temp, top_p in (([0.0] * 3, [1.0] * 3), ([0.0, 0.8, 1.0], [1.0] * 3), ([0.0, 0.8, 1.0], [1.0, 0.5, 1.0])):
+        t, p = jnp.asarray(temp), jnp.asarray(top_p)
+        mode = sampling_mode(temp, top_p)
+        hlo = f.lower(logits, key, t, p, mode=mode).as_text()
+        assert "stablehlo.case" not in hlo and "stablehlo.if" not in hlo, mode
+        np.testing.assert_array_equal(np.asarray(f(logits, key, t, p, mode=mode)),
+                                      np.asarray(f(logits, key, t, p, mode="nucleus")))
 
 
 def test_forward_takes_per_layer_weights_and_either_cache_layout(models):

@@ -112,9 +112,11 @@ def _act_order_model(tmp_path):
 
 def test_prepared_models_give_the_references_logits_gradients_and_checkpoint(tmp_path):
     """A quantized act-order model prepared for each route: the same logits and LoRA gradients (QLoRA) as
-    the reference route, and save_quantized writes the same checkpoint as before it was prepared."""
+    the reference route, and save_quantized writes the same checkpoint as before it was prepared.
+    2 x 8 tokens: up to DECODE_ROWS rows run the Pallas kernel (more take the reference)."""
     from flax import nnx
-    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 128, size=(2, 12)))
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 128, size=(2, 8)))
+    assert tokens.size <= Q.DECODE_ROWS
     model, spec = _act_order_model(tmp_path)
     untouched, for_int4 = nnx.clone(model), nnx.clone(model)
     qc = qf.quant_config_dict(4, 32, spec.sym, spec.act_order)
@@ -160,3 +162,22 @@ def test_int4_route_in_a_model(tmp_path):
     assert model.layers.up_proj.codes[...].dtype == jnp.uint4
     assert all(not hasattr(getattr(model.layers, p), "qweight") for p in PROJECTIONS)
     np.testing.assert_allclose(np.asarray(model(tokens)[0]), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+def test_decoding_loads_a_gptq_model_for_the_default_route(tmp_path, monkeypatch):
+    """`load_weights` prepares a GPTQ checkpoint for `default_route()` (the Pallas kernel on a GPU, the
+    reference here); AMDLLM_QMATMUL chooses another, and greedy decoding gives the reference's tokens."""
+    from amdllm.infer.generate import generate_ids, load_weights
+    model, spec = _act_order_model(tmp_path)
+    ckpt = gptq.save_quantized(model, tmp_path / "q", qf.quant_config_dict(4, 32, spec.sym, spec.act_order))
+    assert Q.default_route() == "xla"
+    plain = load_weights(ckpt, dtype="float32")
+    assert not hasattr(plain.layers.q_proj, "perm")
+    monkeypatch.setenv("AMDLLM_QMATMUL", "pallas")
+    prepared = load_weights(ckpt, dtype="float32")
+    assert prepared.layers.q_proj.perm[...].shape == (2, 64)
+    prompts = [[5, 6, 7], [9, 10]]
+    assert generate_ids(prepared, prompts, 6, eos_ids=()) == generate_ids(plain, prompts, 6, eos_ids=())
+    monkeypatch.setenv("AMDLLM_QMATMUL", "cuda")
+    with pytest.raises(ValueError, match="AMDLLM_QMATMUL='cuda': expected one of xla, pallas, int4"):
+        Q.default_route()

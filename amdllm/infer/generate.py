@@ -36,6 +36,7 @@ from amdllm.model import KVCache, to_pure
 from amdllm.cpu import cpu_compiler_options
 from amdllm.model.fast import init_cache, layer_views, prefill_layers, split_cache
 from amdllm.model.narrow import inference_weights
+from amdllm.model.qmatmul import default_route, prepare_kernels
 from amdllm.model.inputs import expect_model, expect_tokenizer, token_ids
 
 PROMPT_BUCKET = 16
@@ -301,7 +302,10 @@ def load_weights(model_dir, adapter=None, dtype: str = "auto", allow_pickle: boo
                  rules=None, decoding: bool = True):
     """The model of `load_model` without its tokenizer (for callers that tokenize with `encode_fast`).
     With a mesh, each device reads only its blocks of the weights (`checkpoint.load(mesh=, rules=)`).
-    decoding=False: "auto" chooses for evaluation (`resolve_dtype`)."""
+    decoding=False: "auto" chooses for evaluation (`resolve_dtype`). For decoding on one device, a GPTQ
+    model's kernels are prepared for `qmatmul.default_route()` (the Pallas kernel on a GPU)."""
     dtype = resolve_dtype(dtype, model_dir, decoding)
     model = checkpoint.load(model_dir, dtype=DTYPES[dtype], allow_pickle=allow_pickle, mesh=mesh, rules=rules)
+    if decoding and mesh is None:
+        prepare_kernels(model, default_route())
     return load_adapter(model, adapter) if adapter is not None else model

@@ -27,6 +27,7 @@ only in Pallas' interpreter (tests/test_qmatmul.py checks them against the refer
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -221,16 +222,35 @@ def reference_matmul(x, q: dict):
 ROUTES = ("xla", "pallas", "int4")
 
 
+def default_route() -> str:
+    """The route `generate` and the server prepare a GPTQ model for (one of ROUTES): $AMDLLM_QMATMUL where
+    set; else "pallas" on a GPU, where 4-bit decoding of the 8B shape on an H200 ran at 123 / 852 tokens/s
+    (batch 1 / 8; run 5), and the reference at 40-51 / 437-501 and XLA's uint4 route at 50-52 / 451-685
+    (run 3, before the sampling change; BENCHMARKS.md, "On a GPU"); the reference ("xla") on CPUs and
+    TPUs, where the kernel does not run."""
+    chosen = os.environ.get("AMDLLM_QMATMUL", "").strip()
+    if chosen:
+        if chosen not in ROUTES:
+            raise ValueError(f"AMDLLM_QMATMUL={chosen!r}: expected one of {', '.join(ROUTES)}")
+        return chosen
+    return "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm") else "xla"
+
+
 def packed_matmul(x2d, q: dict, dtype=jnp.float32):
     """x2d [M, K] @ the packed kernel, by the route `q` was prepared for (`prepare_kernels`): a "perm" key
     means the Pallas kernel (groups in order; perm [K] for act-order, [0] otherwise), "codes" the int4
     route, neither the reference `quantized_matmul`. Differentiable in x2d (QLoRA): the backward
-    dequantizes again, as the reference does, so no dense kernel is kept between the passes."""
+    dequantizes again, as the reference does, so no dense kernel is kept between the passes.
+    The Pallas kernel serves decode rows (up to DECODE_ROWS); more rows (a prefill, a training batch) take
+    the reference on the sorted rows, which was faster there (256 rows of the 8B shapes on an H200:
+    137-146 us against 166-242 us, benchmarks/results/gpu_h200_run5.json)."""
     x2d = x2d.astype(dtype)
     if "perm" in q:
         if q["perm"].shape[-1]:
             x2d = x2d[:, q["perm"]]                                        # act-order: x in group order
         core = {k: q[k] for k in QUANT_KEYS}
+        if x2d.shape[0] > DECODE_ROWS:
+            return quantized_matmul(x2d, core, dtype)
         try:
             plan_blocks(*x2d.shape, core["qweight"].shape[1], infer_bits(core["qweight"].shape[0], x2d.shape[1]),
                         group_size_of(core))
@@ -335,6 +355,6 @@ def restore_gptq(q: dict) -> dict:
     return q
 
 
-__all__ = ["GEMV_MAX_ROWS", "ROUTES", "group_count", "group_size_of", "int4_kernel", "int4_matmul",
-           "packed_matmul", "pallas_matmul", "plan_blocks", "prepare_kernels", "reference_matmul", "restore_gptq",
-           "sort_act_order", "to_int4"]
+__all__ = ["DECODE_ROWS", "GEMV_MAX_ROWS", "ROUTES", "default_route", "group_count", "group_size_of", "int4_kernel",
+           "int4_matmul", "packed_matmul", "pallas_matmul", "plan_blocks", "prepare_kernels", "reference_matmul",
+           "restore_gptq", "sort_act_order", "to_int4"]
