@@ -2,7 +2,7 @@
 
 `quantized.quantized_matmul` (the reference, and what runs on CPUs and TPUs) unpacks the GPTQ words into
 a whole dense kernel [K, N] in HBM every call, then multiplies. At batch 1 that triples the bytes a decode
-step moves: int4 decoding ran at 0.71x bf16 on an H200 (BENCHMARKS.md). The two routes here dequantize
+step moves: int4 decoding ran at 0.71x bf16 on an H200 that way (BENCHMARKS.md). The two routes here dequantize
 where the data already is:
 
   pallas_matmul  A Pallas kernel lowered through Triton, so one source serves NVIDIA and ROCm (JAX routes
@@ -21,8 +21,10 @@ Both need the groups in order, g_idx[k] == k // group_size. An act-order checkpo
 it is prepared (`sort_act_order`): its rows are permuted into group order and x is permuted the same way
 at run time (the product is unchanged: x @ W == x[:, perm] @ W[perm]).
 
-Which route is faster depends on the GPU; `benchmarks/gpu.py` times all three. On a CPU the kernels run
-only in Pallas' interpreter (tests/test_qmatmul.py checks them against the reference).
+Which route is faster depends on the GPU; `benchmarks/gpu.py` times all three. On an H200 the Pallas kernel
+was the fastest for decoding, though still slower than bf16 (BENCHMARKS.md, "On a GPU"), and
+`default_route` picks it on GPUs. On a CPU the kernels run only in Pallas' interpreter
+(tests/test_qmatmul.py checks them against the reference).
 """
 from __future__ import annotations
 
@@ -42,8 +44,8 @@ from amdllm.model.quantized import (QUANT_KEYS, QuantFormatError, QuantLinear, Q
 GEMV_MAX_ROWS = 1   # up to this many rows of x: the multiply-and-sum inner product (batch-1 decoding)
 DECODE_ROWS = 16    # up to this many rows (a decode batch): narrower tiles, K split over programs
 # Measured on an H200 (benchmarks/results/gpu_h200_run4.json, the 8B gate/up and down shapes): at 8 rows
-# the tensor-core kernel took 62-79 us against 176-221 us for the multiply-and-sum one, so the latter
-# serves one row only.
+# the tensor-core kernel took 62-79 us (best tilings) against 176-192 us for the multiply-and-sum one
+# (its default tiling), so the latter serves one row only.
 
 
 # --------------------------------------------------------------------------------------------------
