@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -37,6 +38,7 @@ from amdllm.cpu import cpu_compiler_options
 from amdllm.model.fast import init_cache, layer_views, prefill_layers, split_cache
 from amdllm.model.narrow import inference_weights
 from amdllm.model.qmatmul import default_route, prepare_kernels
+from amdllm.model.quantized import QuantFormatError
 from amdllm.model.inputs import expect_model, expect_tokenizer, token_ids
 
 PROMPT_BUCKET = 16
@@ -307,5 +309,8 @@ def load_weights(model_dir, adapter=None, dtype: str = "auto", allow_pickle: boo
     dtype = resolve_dtype(dtype, model_dir, decoding)
     model = checkpoint.load(model_dir, dtype=DTYPES[dtype], allow_pickle=allow_pickle, mesh=mesh, rules=rules)
     if decoding and mesh is None:
-        prepare_kernels(model, default_route())
+        try:
+            prepare_kernels(model, default_route())
+        except QuantFormatError as e:  # groups that cannot be put in order: the reference reads them as they are
+            warnings.warn(f"{model_dir}: {e}; decoding through the reference route instead")
     return load_adapter(model, adapter) if adapter is not None else model
