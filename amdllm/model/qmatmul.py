@@ -81,9 +81,9 @@ def sort_act_order(q: dict) -> tuple[dict, np.ndarray | None]:
 # --------------------------------------------------------------------------------------------------
 # The Pallas kernel
 # --------------------------------------------------------------------------------------------------
-def _dot_kernel(x_ref, qw_ref, qz_ref, s_ref, o_ref, *, bits, group_size, words_per_step, steps):
-    # prefill rows (GEMM). refs: x [bm, Kp*p] (this split's K rows), qweight [Kp, bn] words, qzeros
-    # [G, bn/p], scales [G, bn]; the output tile [bm, bn] is this split's partial sum, in float32.
+def _kernel(x_ref, qw_ref, qz_ref, s_ref, o_ref, *, bits, group_size, words_per_step, steps, gemv):
+    # refs: x [bm, Kp*p] (this split's K rows), qweight [Kp, bn] words, qzeros [G, bn/p], scales [G, bn];
+    # the output tile [bm, bn] is this split's partial sum, in float32.
     p = 32 // bits
     rows = words_per_step * p                       # K rows per step, all in one group
     bm, bn = o_ref.shape[-2], o_ref.shape[-1]
@@ -94,30 +94,11 @@ def _dot_kernel(x_ref, qw_ref, qz_ref, s_ref, o_ref, *, bits, group_size, words_
         codes = unpack_rows(w, bits).astype(jnp.float32)                            # [rows, bn]
         zero = unpack_cols(qz_ref[pl.ds(g, 1), :], bits).astype(jnp.float32)        # [1, bn]
         scale = s_ref[pl.ds(g, 1), :].astype(jnp.float32)                           # [1, bn]
-        kernel = ((codes - zero) * scale).astype(x_ref.dtype)                       # [rows, bn]
-        x = x_ref[:, pl.ds(i * rows, rows)]                                         # [bm, rows]
-        return acc + jnp.dot(x, kernel, preferred_element_type=jnp.float32)        # tensor cores, f32 out
-
-    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((bm, bn), jnp.float32))
-    o_ref[...] = acc.reshape(o_ref.shape)
-
-
-def _gemv_kernel(x_ref, qw_ref, qz_ref, s_ref, o_ref, *, bits, group_size, words_per_step, steps):
-    # a decode row (GEMV-shaped: a tensor-core tile would be mostly padding). The same refs; the kernel
-    # slice is dequantized in float32 and multiplied by broadcasting, then summed over its rows.
-    p = 32 // bits
-    rows = words_per_step * p
-    bm, bn = o_ref.shape[-2], o_ref.shape[-1]
-
-    def step(i, acc):
-        g = i * rows // group_size
-        w = qw_ref[pl.ds(i * words_per_step, words_per_step), :]                    # [wps, bn] int32
-        codes = unpack_rows(w, bits).astype(jnp.float32)                            # [rows, bn]
-        zero = unpack_cols(qz_ref[pl.ds(g, 1), :], bits).astype(jnp.float32)        # [1, bn]
-        scale = s_ref[pl.ds(g, 1), :].astype(jnp.float32)                           # [1, bn]
         kernel = (codes - zero) * scale                                             # [rows, bn]
-        x = x_ref[:, pl.ds(i * rows, rows)].astype(jnp.float32)                     # [bm, rows]
-        return acc + jnp.sum(x[:, :, None] * kernel[None, :, :], axis=1)            # [bm, bn]
+        x = x_ref[:, pl.ds(i * rows, rows)]                                         # [bm, rows]
+        if gemv:  # one row: a tensor-core tile would be mostly padding
+            return acc + jnp.sum(x.astype(jnp.float32)[:, :, None] * kernel[None, :, :], axis=1)  # [bm, bn]
+        return acc + jnp.dot(x, kernel.astype(x_ref.dtype), preferred_element_type=jnp.float32)  # tensor cores
 
     acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((bm, bn), jnp.float32))
     o_ref[...] = acc.reshape(o_ref.shape)
@@ -169,8 +150,8 @@ def pallas_matmul(x, qweight, qzeros, scales, *, bits: int, group_size: int, blo
     xp = jnp.pad(x, ((0, t["rows_m"] - M), (0, 0)))                        # [Mp, K]
     Kw, G = K // p // ks, K // group_size // ks                               # words and groups per split
     steps = Kw // t["words_per_step"]
-    kernel = functools.partial(_gemv_kernel if t["gemv"] else _dot_kernel, bits=bits, group_size=group_size,
-                               words_per_step=t["words_per_step"], steps=steps)
+    kernel = functools.partial(_kernel, bits=bits, group_size=group_size, words_per_step=t["words_per_step"],
+                               steps=steps, gemv=t["gemv"])
     partial = pl.pallas_call(
         kernel,
         grid=(t["rows_m"] // bm, N // bn, ks),
@@ -245,7 +226,7 @@ def packed_matmul(x2d, q: dict, dtype=jnp.float32):
     dequantizes again, as the reference does, so no dense kernel is kept between the passes.
     The Pallas kernel serves decode rows (up to DECODE_ROWS); more rows (a prefill, a training batch) take
     the reference on the sorted rows, which was faster there (256 rows of the 8B shapes on an H200:
-    137-146 us against 166-242 us, benchmarks/results/gpu_h200_run5.json)."""
+    137-146 us against 165-243 us, benchmarks/results/gpu_h200_run5.json)."""
     x2d = x2d.astype(dtype)
     if "perm" in q:
         if q["perm"].shape[-1]:
