@@ -37,7 +37,7 @@ from amdllm.model import KVCache, to_pure
 from amdllm.cpu import cpu_compiler_options
 from amdllm.model.fast import init_cache, layer_views, prefill_layers, split_cache
 from amdllm.model.narrow import inference_weights
-from amdllm.model.qmatmul import default_route, prepare_kernels
+from amdllm.model.qmatmul import default_route, on_gpu, prepare_kernels
 from amdllm.model.quantized import QuantFormatError
 from amdllm.model.inputs import expect_model, expect_tokenizer, token_ids
 
@@ -131,7 +131,7 @@ class Decoder:
                  unstack: bool | None = None):
         self.model = expect_model(model, "Decoder")
         self.per_layer = per_layer
-        self.unstack = jax.default_backend() in ("gpu", "cuda", "rocm") if unstack is None else unstack
+        self.unstack = on_gpu() if unstack is None else unstack
         self.eos_ids = tuple(sorted({int(e) for e in eos_ids}))
         self.pad_id = int(pad_id)
         self.prefill, self.step = _compiled(model)
@@ -160,7 +160,7 @@ class Decoder:
         B, P = tokens.shape
         S = _round_up(P + max_new_tokens - 1, CACHE_BUCKET)  # the last new token is never written
         temp, tp = _per_row(temperature, B, "temperature"), _per_row(top_p, B, "top_p")
-        mode = sampling_mode(np.asarray(temp), np.asarray(tp))
+        mode = sampling_mode(temperature, top_p)  # the host's values, checked by _per_row
         unstack = views is None and self.unstack
         key = jax.random.PRNGKey(seed)
         tok, logits, cache = self.prefill(top, prefill_layers(layers, views, B * P), tokens, positions, seg, key,

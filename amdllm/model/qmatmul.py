@@ -205,6 +205,12 @@ def reference_matmul(x, q: dict):
 ROUTES = ("xla", "pallas", "int4")
 
 
+def on_gpu() -> bool:
+    """Whether JAX runs on a GPU (NVIDIA or AMD): where the Pallas kernel is lowered through Triton, and
+    where decoding unrolls its layers (`generate.Decoder`)."""
+    return jax.default_backend() in ("gpu", "cuda", "rocm")
+
+
 def default_route() -> str:
     """The route `generate` and the server prepare a GPTQ model for (one of ROUTES): $AMDLLM_QMATMUL where
     set; else "pallas" on a GPU, where 4-bit decoding of the 8B shape on an H200 ran at 123 / 852 tokens/s
@@ -216,7 +222,7 @@ def default_route() -> str:
         if chosen not in ROUTES:
             raise ValueError(f"AMDLLM_QMATMUL={chosen!r}: expected one of {', '.join(ROUTES)}")
         return chosen
-    return "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm") else "xla"
+    return "pallas" if on_gpu() else "xla"
 
 
 def packed_matmul(x2d, q: dict, dtype=jnp.float32):
@@ -249,7 +255,7 @@ def packed_matmul(x2d, q: dict, dtype=jnp.float32):
 def _pallas_vjp(x2d, q):
     bits = infer_bits(q["qweight"].shape[0], q["g_idx"].shape[-1])
     return pallas_matmul(x2d, q["qweight"], q["qzeros"], q["scales"], bits=bits, group_size=group_size_of(q),
-                         interpret=jax.default_backend() not in ("gpu", "cuda", "rocm"))
+                         interpret=not on_gpu())
 
 
 def _pallas_fwd(x2d, q):
@@ -339,5 +345,5 @@ def restore_gptq(q: dict) -> dict:
 
 
 __all__ = ["DECODE_ROWS", "GEMV_MAX_ROWS", "ROUTES", "default_route", "group_count", "group_size_of", "int4_kernel",
-           "int4_matmul", "packed_matmul", "pallas_matmul", "plan_blocks", "prepare_kernels", "reference_matmul",
-           "restore_gptq", "sort_act_order", "to_int4"]
+           "int4_matmul", "on_gpu", "packed_matmul", "pallas_matmul", "plan_blocks", "prepare_kernels",
+           "reference_matmul", "restore_gptq", "sort_act_order", "to_int4"]
