@@ -129,6 +129,42 @@ def test_cli_errors_are_one_line(ckpt, tmp_path, capfd):
     assert rc == 2 and err.strip() == "amdllm serve: error: --port 99999: expected 0 to 65535"
 
 
+
+def test_flag_errors_and_help_answer_without_loading_jax():
+    """Parsing a command line imports no JAX (`amdllm.cli.parser`): a flag error is one line, status 2, and
+    `--help` prints, before any of the library is loaded."""
+    code = ("import sys\nfrom amdllm.cli import main\n"
+            "for argv in (['generate'], ['finetune', '--data', 'x.jsonl', '--out', 'o', '--steps', '0'],\n"
+            "             ['eval', '--dtype', 'f16'], ['quantize', '--help']):\n"
+            "    try:\n        main(argv)\n    except SystemExit as e:\n        print('status', e.code)\n"
+            "print('loaded', sorted(m for m in ('jax', 'flax', 'transformers', 'torch') if m in sys.modules))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.stdout.count("status 2") == 3 and "status 0" in r.stdout and "loaded []" in r.stdout, r
+    errors = r.stderr.strip().splitlines()
+    assert len(errors) == 3, errors
+    assert errors[0] == ("amdllm generate: error: the following arguments are required: --prompt "
+                         "(see amdllm generate --help)")
+    assert errors[1] == ("amdllm finetune: error: argument --steps: expected an integer >= 1, got 0 "
+                         "(see amdllm finetune --help)")
+    assert errors[2].startswith("amdllm eval: error: argument --dtype: invalid choice: 'f16'") and \
+        errors[2].endswith("(see amdllm eval --help)")  # argparse quotes the choices or not, by version
+
+
+def test_parser_vocabularies_are_the_library_tables():
+    """The flags' choices, written out in `amdllm.cli.parser` so that parsing loads no JAX, equal the tables of
+    the library that takes them."""
+    from amdllm.cli import parser
+    from amdllm.infer.generate import DTYPE_CHOICES
+    from amdllm.infer.protocols import PROTOCOLS
+    from amdllm.io.convert import DTYPES
+    from amdllm.parallel import plan, sharding
+    from amdllm.train.data import TOO_LONG
+    assert parser.DTYPE_CHOICES == DTYPE_CHOICES and parser.PROTOCOLS == PROTOCOLS and parser.TOO_LONG == TOO_LONG
+    assert parser.CONVERT_DTYPES == tuple(sorted(DTYPES))
+    assert parser.RULES == tuple(sorted(sharding.RULES)) and parser.DEFAULT_RULES == sharding.DEFAULT_RULES
+    assert parser.ACCELERATORS == tuple(plan.PEAK_BF16_TFLOPS) and parser.PLAN_DTYPES == tuple(plan.DTYPE_BYTES)
+    assert set(parser.COMMANDS) == set(next(a for a in parser.build_parser()._actions if a.dest == "command").choices)
+
 def test_doctor_json(capfd):
     r = run_json(capfd, ["doctor"])
     for key in ("backend", "jax", "versions", "torch", "system", "env", "warnings", "host_memory_bytes", "huge_pages"):

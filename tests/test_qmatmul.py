@@ -177,7 +177,14 @@ def test_decoding_loads_a_gptq_model_for_the_default_route(tmp_path, monkeypatch
     prepared = load_weights(ckpt, dtype="float32")
     assert prepared.layers.q_proj.perm[...].shape == (2, 64)
     prompts = [[5, 6, 7], [9, 10]]
-    assert generate_ids(prepared, prompts, 6, eos_ids=()) == generate_ids(plain, prompts, 6, eos_ids=())
+    want = generate_ids(plain, prompts, 6, eos_ids=())
+    assert generate_ids(prepared, prompts, 6, eos_ids=()) == want
+    # the int4 route needs groups in order: an act-order model loads anyway, on the reference route, and says so
+    monkeypatch.setenv("AMDLLM_QMATMUL", "int4")
+    with pytest.warns(UserWarning, match=r"layers/\w+_proj: the int4 route needs groups in order.*reference route"):
+        kept = load_weights(ckpt, dtype="float32")
+    assert not hasattr(kept.layers.q_proj, "codes") and not hasattr(kept.layers.q_proj, "perm")
+    assert generate_ids(kept, prompts, 6, eos_ids=()) == want
     monkeypatch.setenv("AMDLLM_QMATMUL", "cuda")
     with pytest.raises(ValueError, match="AMDLLM_QMATMUL='cuda': expected one of xla, pallas, int4"):
         Q.default_route()

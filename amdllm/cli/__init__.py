@@ -1,5 +1,7 @@
-"""The `amdllm` command: thin. Each subcommand is a module here with `add_cli(subparsers)`; the library
-does the work. This layer (with `amdllm.course`) is the only one that knows the embedded default model.
+"""The `amdllm` command: thin. `amdllm.cli.parser` declares every subcommand's flags (standard library only,
+so that a flag error or `--help` answers at once); each subcommand is a module here with `run(args)`,
+imported once its command line has parsed; the library does the work. This layer (with `amdllm.course`)
+is the only one that knows the embedded default model.
 
 The contract is docs/cli.md: `--model` omitted means the embedded default model; `--json` prints one
 JSON object on stdout and nothing else there (progress bars and warnings go to stderr); errors in what
@@ -7,39 +9,23 @@ the user passed are one line on stderr and exit status 2.
 """
 from __future__ import annotations
 
-import argparse
 import importlib
 import os
 import sys
 import warnings
 
 from amdllm import env
+from amdllm.cli.parser import COMMANDS, build_parser
 
-SUBCOMMANDS = ("doctor", "eval", "generate", "finetune", "plan", "quantize", "serve", "convert")
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse with a one-line error: the flag at fault and what was expected (argparse prints the whole
-    usage block first; `--help` still shows it)."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="amdllm", description="Fine-tune and quantize Llama models with JAX.")
-    sub = p.add_subparsers(dest="command", required=True)  # subcommand parsers are Parsers too
-    for name in SUBCOMMANDS:  # imported by name: `eval` is a builtin, so its module is `evaluate`
-        importlib.import_module(f"amdllm.cli.{'evaluate' if name == 'eval' else name}").add_cli(sub)
-    return p
+__all__ = ["main", "build_parser"]
 
 
 def main(argv: list[str] | None = None) -> int:
     if argv is None:  # the command itself started (not a caller's main([...])): its process is ours to set up
         _with_huge_pages()
     argv = sys.argv[1:] if argv is None else list(argv)
-    cluster = _cluster()
     args = build_parser().parse_args(argv)
+    cluster = _cluster()
     prefix = f"amdllm {args.command}"
     warnings.formatwarning = lambda message, *_, **__: f"{prefix}: warning: {message}\n"
     if not cluster.in_child():
@@ -64,9 +50,14 @@ def _with_huge_pages() -> None:
 
 
 def _cluster():
-    """amdllm.cli.cluster, imported only after _with_huge_pages: it imports JAX (~2 s on 2 cores), which a
-    re-executed command would otherwise pay for twice."""
+    """amdllm.cli.cluster, imported only after _with_huge_pages and the parse: it imports JAX (~2 s on 2 cores),
+    which a re-executed command would otherwise pay for twice, and a flag error would wait for."""
     return importlib.import_module("amdllm.cli.cluster")
+
+
+def _command(args):
+    """The module of the parsed subcommand (it imports JAX and the model)."""
+    return importlib.import_module(f"amdllm.cli.{COMMANDS[args.command]}")
 
 
 def _run(args, prefix: str, argv: list[str]) -> int:
@@ -74,7 +65,7 @@ def _run(args, prefix: str, argv: list[str]) -> int:
     try:
         if not cluster.in_child() and cluster.is_cluster(args):
             return cluster.supervise(argv, prefix, args)
-        return int(args.func(args) or 0)
+        return int(_command(args).run(args) or 0)
     except (ValueError, FileNotFoundError, KeyError) as e:  # our errors: one clear line, no traceback
         print(f"{prefix}: error: {e}", file=sys.stderr)
         return 2

@@ -1,4 +1,5 @@
-"""One `amdllm` command as several processes: the cluster flags, joining JAX's runtime, and a supervisor.
+"""One `amdllm` command as several processes: joining JAX's runtime, and a supervisor (the cluster flags are
+`amdllm.cli.parser.add_cluster_args`).
 
 A command that trains on a mesh (`finetune`) joins JAX's distributed runtime when the environment
 describes a cluster (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, SLURM, Open MPI; see
@@ -14,7 +15,6 @@ an ending the child could not report itself into one line naming what happened a
 """
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import signal
@@ -25,22 +25,9 @@ from pathlib import Path
 
 import jax
 
-from amdllm.cli.common import count
 from amdllm.parallel import distributed
 
 CHILD_ENV = "AMDLLM_CLUSTER_DIR"  # set in the child: the directory of its native log and status files
-
-
-def add_cluster_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("several processes (one per host; docs/cli.md, 'Several processes')")
-    g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
-                   help="address of process 0 (default: JAX_COORDINATOR_ADDRESS, SLURM or Open MPI)")
-    g.add_argument("--num-processes", type=count(), default=None, help="processes in the run (one per host)")
-    g.add_argument("--process-id", type=count(0), default=None, help="this process's id, 0..N-1")
-    g.add_argument("--init-timeout", type=count(), default=300,
-                   help="seconds to wait for every process to join (default 300)")
-    g.add_argument("--heartbeat-timeout", type=count(), default=100,
-                   help="seconds without news from a process before the others stop (default 100)")
 
 
 def cluster_of(args) -> dict:

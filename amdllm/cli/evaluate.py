@@ -6,8 +6,8 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from amdllm.cli.common import add_model_args, count, emit, model_dir
-from amdllm.cli.datasets import add_dataset_args, read_dataset
+from amdllm.cli.common import emit, model_dir
+from amdllm.cli.datasets import read_dataset
 from amdllm.config import LlamaConfig
 from amdllm.course import heldout_text_path
 from amdllm.files import read_text
@@ -15,25 +15,9 @@ from amdllm.infer.evaluate import perplexity_of_windows
 from amdllm.infer.generate import load_weights
 from amdllm.infer.protocols import eval_windows
 from amdllm.io.tokenizer import encoder
-from amdllm.parallel.sharding import DEFAULT_RULES, RULES, make_mesh
+from amdllm.parallel.sharding import make_mesh
 
 
-def add_cli(sub) -> None:
-    p = sub.add_parser("eval", help="perplexity of a text or a dataset (protocols: docs/cli.md)")
-    add_model_args(p)
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--text", default=None, help="UTF-8 text file (default: the held-out course text)")
-    add_dataset_args(p, src, what="a dataset", default_split="test, else validation",
-                     protocol_help="amdllm (default: every token, last partial window kept) or gptq (the GPTQ "
-                                   "paper's code: full windows only; C4: 1,100 documents, 256 windows)")
-    p.add_argument("--seq-len", type=count(2), default=None,
-                   help="window length in tokens (default 256, or the model's context if shorter)")
-    p.add_argument("--batch-size", type=count(), default=8, help="windows per forward pass")
-    p.add_argument("--mesh", default=None, help="load the weights split over this mesh (e.g. fsdp=8): each "
-                   "device reads only its blocks (default: one device)")
-    p.add_argument("--rules", default=None, choices=sorted(RULES),
-                   help=f"sharding rules preset with --mesh (default {DEFAULT_RULES})")
-    p.set_defaults(func=run)
 
 
 def run(args) -> int:

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from amdllm.cli import cluster
-from amdllm.cli.cluster import add_cluster_args, cluster_of
-from amdllm.cli.common import add_pickle_arg, add_run_shape_args, count, emit, number
+from amdllm.cli.cluster import cluster_of
+from amdllm.cli.common import emit
 from amdllm.cli.common import model_dir as resolve_model_dir
 from amdllm.config import LlamaConfig
 from amdllm.io import checkpoint
@@ -27,46 +27,6 @@ from amdllm.train.loop import (TrainConfig, check_batch_splits, check_run_dir, f
                                rss_now)
 
 
-def add_cli(sub) -> None:
-    p = sub.add_parser("finetune", help="LoRA fine-tuning; writes a PEFT adapter (and optionally a merged model)")
-    p.add_argument("--model", default=None, help="HF checkpoint directory (default: the embedded model)")
-    add_pickle_arg(p)
-    p.add_argument("--chat-template", default=None, help="for chat rows: llama3, llama2, vicuna or a Jinja "
-                   "file (default: the tokenizer's own, else a built-in format); saved with the adapter")
-    p.add_argument("--data", required=True, help="JSONL: Alpaca, chat (messages) or plain (text) rows")
-    p.add_argument("--eval-data", default=None, help="held-out JSONL (loss, and exact match for Alpaca rows)")
-    p.add_argument("--out", required=True, help="output directory (adapter, metrics.jsonl, checkpoints/)")
-    p.add_argument("--steps", type=count(), default=100)
-    add_run_shape_args(p)
-    p.add_argument("--alpha", type=number(0, above=True), default=16)
-    p.add_argument("--dropout", type=number(0, 0.99), default=0.0)
-    p.add_argument("--lr", type=number(0), default=2e-4)
-    p.add_argument("--warmup", type=count(0), default=None)
-    p.add_argument("--weight-decay", type=number(0), default=0.0)
-    p.add_argument("--clip", type=number(0), default=1.0)
-    p.add_argument("--no-pack", action="store_true", help="one example per row (padding) instead of packing")
-    p.add_argument("--too-long", choices=data_mod.TOO_LONG, default="split",
-                   help="an example longer than --seq-len: split into windows (each token still trained once), "
-                        "truncate, or drop; the run's data stats count each and the tokens lost")
-    p.add_argument("--seed", type=count(0), default=0)
-    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                   help="frozen base weights and compute (auto: bfloat16 on accelerators; on a CPU the checkpoint's "
-                        "own bfloat16 or float32); LoRA and AdamW stay float32")
-    p.add_argument("--device-memory", type=number(0, above=True), default=None,
-                   help="GB one device may use, for the plan's check (default: the device's limit; on a CPU the "
-                        "available host memory over the local devices)")
-    p.add_argument("--log-every", type=count(), default=1)
-    p.add_argument("--eval-every", type=count(0), default=0)
-    p.add_argument("--save-every", type=count(0), default=0)
-    p.add_argument("--keep", type=count(), default=2)
-    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
-    p.add_argument("--overwrite", action="store_true",
-                   help="write into a non-empty --out (an earlier adapter); its checkpoints still need --resume")
-    p.add_argument("--merge", action="store_true", help="also write OUT/merged/, a merged HF checkpoint")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--json", action="store_true", help="print one JSON object on stdout (each process prints its own)")
-    add_cluster_args(p)
-    p.set_defaults(func=run)
 
 
 def run(args) -> int:

@@ -3,19 +3,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from amdllm.cli.common import add_model_args, count, emit, model_dir, number
+from amdllm.cli.common import emit, model_dir
 from amdllm.infer.generate import generate, load_model
 
 
-def add_cli(sub) -> None:
-    p = sub.add_parser("generate", help="generate text from a prompt (greedy or top-p sampling)")
-    add_model_args(p)
-    p.add_argument("--prompt", required=True, help="prompt text, tokenized as tokenizer(prompt)")
-    p.add_argument("--max-new-tokens", type=count(0), default=64)
-    p.add_argument("--temperature", type=number(0), default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=number(0, 1, above=True), default=1.0)
-    p.add_argument("--seed", type=count(0), default=0)
-    p.set_defaults(func=run)
 
 
 def run(args) -> int:

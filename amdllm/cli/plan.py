@@ -3,38 +3,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from amdllm.cli.common import add_run_shape_args, count, emit, model_dir, number
+from amdllm.cli.common import emit, model_dir
 from amdllm.config import PRESETS, LlamaConfig
 from amdllm.io.gptq_format import quant_config_of
-from amdllm.parallel.plan import (DEVICE_MEMORY_GB, DTYPE_BYTES, PEAK_BF16_TFLOPS, fewest_devices, format_plan,
-                                  least_remat, plan, remat_key)
+from amdllm.parallel.plan import (DEVICE_MEMORY_GB, fewest_devices, format_plan, least_remat, plan,
+                                  remat_key)
 
 
-def add_cli(sub) -> None:
-    p = sub.add_parser("plan", help="memory per device, FLOPs per token and MFU for a model on a mesh")
-    p.add_argument("--model", default=None, help="a preset (e.g. llama-3.1-405b) or an HF checkpoint directory")
-    p.add_argument("--devices", type=count(), default=8)
-    p.add_argument("--accelerator", default="mi300x", help="sets --device-memory and the MFU peak: "
-                   + ", ".join(PEAK_BF16_TFLOPS) + ", cpu")
-    p.add_argument("--device-memory", type=number(0, above=True), default=None,
-                   help="GB per device (default: the accelerator's)")
-    add_run_shape_args(p, plan=True)
-    p.add_argument("--full-finetune", action="store_true", help="plan full fine-tuning instead")
-    p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
-    p.add_argument("--dtype", default="auto", choices=("auto",) + tuple(DTYPE_BYTES),
-                   help="frozen weights and compute (auto: bfloat16, what finetune uses on an accelerator)")
-    p.add_argument("--bits", type=int, choices=(2, 4, 8), default=None,
-                   help="a GPTQ-packed base (QLoRA): projections at this many bits (default: a GPTQ --model "
-                        "directory's own; otherwise unquantized)")
-    p.add_argument("--group-size", type=int, default=None,
-                   help="GPTQ group size with --bits (default: the directory's, else 128; -1: one group)")
-    p.add_argument("--fewest-devices", action="store_true",
-                   help="also find the fewest devices (an fsdp=N mesh, the rules' batch split) on which this "
-                        "run fits, without remat and with --remat dots and full")
-    p.add_argument("--tokens-per-second", type=number(0, above=True), default=None,
-                   help="also report the MFU this implies")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=run)
 
 
 def run(args) -> int:

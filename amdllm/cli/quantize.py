@@ -8,9 +8,9 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from amdllm import course
-from amdllm.cli.common import add_pickle_arg, count, emit, number
+from amdllm.cli.common import emit
 from amdllm.cli.common import model_dir as resolve_model_dir
-from amdllm.cli.datasets import add_dataset_args, read_dataset
+from amdllm.cli.datasets import read_dataset
 from amdllm.files import atomic_write_text, check_output_dir, read_text, staged_dir
 from amdllm.infer.protocols import calib_windows
 from amdllm.io.checkpoint import load, stored_dtype
@@ -18,6 +18,13 @@ from amdllm.io.gptq_format import quant_config_dict, save_quantized
 from amdllm.io.tokenizer import encoder
 from amdllm.quant.calibrate import model_bytes, quantize_model
 from amdllm.quant.gptq import QuantSpec, fit_group_size, in_features
+
+
+def run(args) -> int:
+    res = run_quantize(args)
+    emit(res, args.json, f"wrote {res['out']} ({res['method']} {res['bits']}-bit g{res['group_size']}, "
+                         f"{res['format']}) in {res['seconds']} s")
+    return 0
 
 
 def run_quantize(args) -> dict:
@@ -67,42 +74,3 @@ def run_quantize(args) -> dict:
             "rtn_err": sum(r["rtn_err"] for r in rows) if rows and args.compare_rtn else None,
             "calibration": calib_report or None}
 
-
-def add_cli(subparsers) -> None:
-    p = subparsers.add_parser("quantize", help="GPTQ/RTN 4-bit quantization into a GPTQ checkpoint dir",
-                              description="Quantize a Llama checkpoint to GPTQ format (HF/GPTQModel layout).")
-    p.add_argument("--model", help="HF checkpoint dir (default: the embedded course model)")
-    add_pickle_arg(p)
-    p.add_argument("--out", required=True, help="output directory (new or empty; never --model)")
-    p.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
-    p.add_argument("--method", choices=("gptq", "rtn"), default="gptq")
-    p.add_argument("--bits", type=int, default=4, help="2, 4 or 8 (default 4)")
-    p.add_argument("--group-size", type=int, default=128, help="-1 (per channel), 16..1024 (default 128)")
-    p.add_argument("--act-order", action="store_true", help="desc_act: columns by decreasing diag(H)")
-    p.add_argument("--static-groups", action="store_true", help="group params from the original weights")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--sym", dest="sym", action="store_true", default=True, help="symmetric grid (default)")
-    g.add_argument("--asym", dest="sym", action="store_false", help="asymmetric grid (saved as gptq_v2)")
-    p.add_argument("--damp", type=number(0, 1, above=True), default=0.01,
-                   help="percdamp (default 0.01, raised if needed)")
-    p.add_argument("--no-true-sequential", action="store_true")
-    p.add_argument("--compare-rtn", action="store_true",
-                   help="also report RTN's output error per projection (one more [out, in] x [in, in] product each)")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--calib", help="calibration text file (default: the course corpus)")
-    add_dataset_args(p, src, what="calibration dataset", default_split="train",
-                     protocol_help="amdllm (default: random windows of the joined text) or gptq (the GPTQ "
-                                   "paper's code: C4, one random window in each of --samples random long "
-                                   "documents)")
-    p.add_argument("--samples", type=count(), default=128)
-    p.add_argument("--seq-len", type=count(2), default=256)
-    p.add_argument("--seed", type=count(0), default=0)
-    p.add_argument("--json", action="store_true")
-
-    def handler(args):
-        res = run_quantize(args)
-        emit(res, args.json, f"wrote {res['out']} ({res['method']} {res['bits']}-bit g{res['group_size']}, "
-                             f"{res['format']}) in {res['seconds']} s")
-        return 0
-
-    p.set_defaults(func=handler)
