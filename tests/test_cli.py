@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import amdllm
 from amdllm import cli, env
 from tests.test_evaluate import reference_perplexity
 from tests.test_generate import hf_greedy
@@ -135,11 +136,12 @@ def test_flag_errors_and_help_answer_without_loading_jax():
     `--help` prints, before any of the library is loaded."""
     code = ("import sys\nfrom amdllm.cli import main\n"
             "for argv in (['generate'], ['finetune', '--data', 'x.jsonl', '--out', 'o', '--steps', '0'],\n"
-            "             ['eval', '--dtype', 'f16'], ['quantize', '--help']):\n"
+            "             ['eval', '--dtype', 'f16'], ['quantize', '--help'], ['--version']):\n"
             "    try:\n        main(argv)\n    except SystemExit as e:\n        print('status', e.code)\n"
             "print('loaded', sorted(m for m in ('jax', 'flax', 'transformers', 'torch') if m in sys.modules))\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.stdout.count("status 2") == 3 and "status 0" in r.stdout and "loaded []" in r.stdout, r
+    assert r.stdout.count("status 2") == 3 and r.stdout.count("status 0") == 2 and "loaded []" in r.stdout, r
+    assert "usage: amdllm quantize" in r.stdout and f"amdllm {amdllm.__version__}\n" in r.stdout
     errors = r.stderr.strip().splitlines()
     assert len(errors) == 3, errors
     assert errors[0] == ("amdllm generate: error: the following arguments are required: --prompt "

@@ -1,6 +1,6 @@
 """The `amdllm` command line, declared in one place: every subcommand's flags, their types and defaults.
 
-This module imports nothing but the standard library, so that a flag error or `--help` answers at once:
+This module imports nothing but the standard library (and `amdllm.__version__`), so that a flag error or `--help` answers at once:
 the command modules import JAX, flax and the model (about 2.5 s on 2 cores), and `amdllm.cli.main` imports
 only the one the parsed command names (`COMMANDS`). The flags' vocabularies are therefore written out
 here; tests/test_cli.py checks each against the library's own table.
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import math
+
+from amdllm import __version__
 
 # subcommand -> the module under amdllm.cli whose `run(args)` does the work (`eval` is a builtin's name)
 COMMANDS = {"doctor": "doctor", "eval": "evaluate", "generate": "generate", "finetune": "finetune", "plan": "plan",
@@ -36,6 +38,7 @@ class Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="amdllm", description="Fine-tune and quantize Llama models with JAX.")
+    p.add_argument("--version", action="version", version=f"amdllm {__version__}")
     sub = p.add_subparsers(dest="command", required=True)  # subcommand parsers are Parsers too
     for add in (_doctor, _eval, _generate, _finetune, _plan, _quantize, _serve, _convert):
         add(sub)
