@@ -1,9 +1,9 @@
 """The `amdllm` command line, declared in one place: every subcommand's flags, their types and defaults.
 
-This module imports nothing but the standard library (and `amdllm.__version__`), so that a flag error or `--help` answers at once:
-the command modules import JAX, flax and the model (about 2.5 s on 2 cores), and `amdllm.cli.main` imports
-only the one the parsed command names (`COMMANDS`). The flags' vocabularies are therefore written out
-here; tests/test_cli.py checks each against the library's own table.
+This module imports nothing but the standard library (and `amdllm.__version__`), so that a flag error or
+`--help` answers at once (0.1 s): the command modules import JAX, flax and the model (2-3 s on 2 cores), and
+`amdllm.cli.main` imports only the one the parsed command names (`COMMANDS`). The flags' vocabularies are
+therefore written out here; tests/test_cli.py checks each against the library's own table.
 """
 from __future__ import annotations
 
