@@ -23,6 +23,8 @@ Phases run in the order ceilings, qmatmul, decode_bf16, decode_int4_pallas, lora
 SwiGLU, instead of the whole layer), decode_int4_xla4, lora_step (1 above: the backend's attention, cuDNN's
 on NVIDIA in bf16; its "attention" field says which), lora_step_blocked (remat full with amdllm's blocked
 attention), decode_int4 (the reference route); `--phases` picks, `--budget-s` skips what is left.
+4. serve_engine (after lora_step_dots): the server's engine decoding bf16 at batch 1 and 8, as `amdllm serve`
+   runs it (its step still scans the stacked layers), twice per batch: with and without compilation.
 
 Results are written to OUT/gpu.json after every phase, so a run cut short still reports what it measured.
 
@@ -345,6 +347,82 @@ def qmatmul_routes(cfg, bandwidth, log, tiny: bool):
     return out
 
 
+class _IdTokenizer:
+    """What the engine asks of a tokenizer, for random weights: ids are the text (no vocabulary to load)."""
+    eos_token_id = pad_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def serve_engine(cfg, batches, new_tokens, bandwidth, log, quant_route: str | None = None):
+    """The server's continuous-batching engine (`amdllm.infer.engine.Engine`, as `amdllm serve` runs it) on
+    the same model as `decode`: B requests of a 32-token prompt and `new_tokens` greedy tokens submitted
+    together; tokens/s over the decode steps after the first two (the prefills and the compilation of each
+    step shape excluded), and the time of the whole first round (compilation included). Engine.warmup
+    compiles the batch-1 step first. It measures the engine's layer scan, which `generate` replaces on a GPU
+    by an unrolled step (`Decoder(unstack=None)`)."""
+    import threading
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+    from amdllm.infer.engine import Engine, Request
+    from amdllm.model import Llama
+    from amdllm.model.qmatmul import prepare_kernels
+    from amdllm.quant.calibrate import model_bytes
+
+    model = Llama(cfg, rngs=nnx.Rngs(1), param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)
+    if quant_route:
+        random_int4(model)
+        prepare_kernels(model, quant_route)
+    nbytes = model_bytes(model)
+    engine = Engine(model, _IdTokenizer(), max_batch=max(batches), max_len=32 + new_tokens + 64, eos_ids=())
+    out = []
+    try:
+        t0 = time.perf_counter()
+        engine.warmup()
+        warm = time.perf_counter() - t0
+        for B in batches:
+            for round_ in ("first", "second"):  # the first compiles this batch's step shape, the second is warm
+                prompts = np.random.default_rng(B).integers(3, cfg.vocab_size, (B, 32)).tolist()
+                stamps, done = [], threading.Event()
+                left = [B]
+
+                def emit(kind, payload, stamps=stamps, done=done, left=left):
+                    if kind == "delta":
+                        stamps.append((time.perf_counter(), len(payload["token_ids"])))
+                    else:
+                        left[0] -= 1
+                        if left[0] == 0:
+                            done.set()
+                steps0 = engine.stats["decode_steps"]
+                t0 = time.perf_counter()
+                for ids in prompts:
+                    engine.submit(Request(ids, new_tokens, emit))
+                done.wait(1200)
+                wall = time.perf_counter() - t0
+                steps = engine.stats["decode_steps"] - steps0
+                # steady: tokens after each row's first two, over the time they took
+                times = sorted(t for t, _ in stamps)
+                skip = 2 * B
+                rate = (sum(n for _, n in stamps) - skip) / max(times[-1] - times[skip - 1], 1e-9) \
+                    if len(times) > skip else None
+                kv = 2 * cfg.num_hidden_layers * B * engine.cache.valid.shape[1] * cfg.kv_dim * 2
+                r = {"weights": f"int4-g128 ({quant_route})" if quant_route else "bf16", "batch": B,
+                     "round": round_, "new_tokens": new_tokens, "wall_s": wall, "decode_steps": steps,
+                     "tokens_per_s_decode": rate, "steps_per_s_decode": rate / B if rate else None,
+                     "warmup_s_incl_compile": warm, "model_bytes": nbytes,
+                     "bound_steps_per_s_measured_bw": bandwidth / (nbytes + kv)}
+                log(json.dumps(r))
+                out.append(r)
+    finally:
+        engine.stop()
+    del model, engine
+    jax.clear_caches()
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
@@ -354,7 +432,7 @@ def main():
     ap.add_argument("--decode-variants", default="scan,sliced,unrolled", help="ways to run the layers (decode)")
     ap.add_argument("--profile-dir", default=None, help="trace one batch-1 decode per phase and variant here")
     ap.add_argument("--phases", default="ceilings,qmatmul,decode_bf16,decode_int4_pallas,lora_step_dots,"
-                                        "decode_int4_xla4,lora_step,lora_step_blocked,decode_int4")
+                                        "serve_engine,decode_int4_xla4,lora_step,lora_step_blocked,decode_int4")
     args = ap.parse_args()
     from amdllm.config import LlamaConfig, get_preset
     if args.tiny:
@@ -395,7 +473,8 @@ def main():
               "decode_bf16": lambda: decode(cfg, False, dec_b, new, bw(), log, **dec_kw),
               "decode_int4": lambda: decode(cfg, True, dec_b, new, bw(), log, "xla", **dec_kw),
               "decode_int4_pallas": lambda: decode(cfg, True, dec_b, new, bw(), log, "pallas", **dec_kw),
-              "decode_int4_xla4": lambda: decode(cfg, True, dec_b, new, bw(), log, "int4", **dec_kw)}
+              "decode_int4_xla4": lambda: decode(cfg, True, dec_b, new, bw(), log, "int4", **dec_kw),
+              "serve_engine": lambda: serve_engine(cfg, dec_b, new, bw(), log)}
     import os
     result["xla_flags"] = os.environ.get("XLA_FLAGS", "")
     wanted = ["ceilings"] + [p for p in args.phases.split(",") if p != "ceilings"]
