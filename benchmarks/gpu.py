@@ -23,8 +23,9 @@ Phases run in the order ceilings, qmatmul, decode_bf16, decode_int4_pallas, lora
 SwiGLU, instead of the whole layer), decode_int4_xla4, lora_step (1 above: the backend's attention, cuDNN's
 on NVIDIA in bf16; its "attention" field says which), lora_step_blocked (remat full with amdllm's blocked
 attention), decode_int4 (the reference route); `--phases` picks, `--budget-s` skips what is left.
-4. serve_engine (after lora_step_dots): the server's engine decoding bf16 at batch 1 and 8, as `amdllm serve`
-   runs it (its step still scans the stacked layers), twice per batch: with and without compilation.
+4. serve_engine (after lora_step_dots): the server's engine decoding bf16 at batch 1 and 8, with its step
+   scanning the stacked layers (as `amdllm serve` runs it) and over static slices (`Engine(unstack=True)`),
+   twice per batch: with and without compilation.
 
 Results are written to OUT/gpu.json after every phase, so a run cut short still reports what it measured.
 
@@ -355,19 +356,18 @@ class _IdTokenizer:
         return " ".join(map(str, ids))
 
 
-def serve_engine(cfg, batches, new_tokens, bandwidth, log, quant_route: str | None = None):
+def serve_engine(cfg, batches, new_tokens, bandwidth, log, quant_route: str | None = None,
+                 variants=("scan", "sliced")):
     """The server's continuous-batching engine (`amdllm.infer.engine.Engine`, as `amdllm serve` runs it) on
     the same model as `decode`: B requests of a 32-token prompt and `new_tokens` greedy tokens submitted
     together; tokens/s over the decode steps after the first two (the prefills and the compilation of each
     step shape excluded), and the time of the whole first round (compilation included). Engine.warmup
-    compiles the batch-1 step first. It measures the engine's layer scan, which `generate` replaces on a GPU
-    by an unrolled step (`Decoder(unstack=None)`)."""
-    import threading
+    compiles the batch-1 step first. Each variant runs the step's layers one way: "scan" (the server's
+    default) or "sliced" (`Engine(unstack=True)`: static slices of the stacked weights, as `generate` does
+    on a GPU)."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
     from flax import nnx
-    from amdllm.infer.engine import Engine, Request
     from amdllm.model import Llama
     from amdllm.model.qmatmul import prepare_kernels
     from amdllm.quant.calibrate import model_bytes
@@ -377,7 +377,20 @@ def serve_engine(cfg, batches, new_tokens, bandwidth, log, quant_route: str | No
         random_int4(model)
         prepare_kernels(model, quant_route)
     nbytes = model_bytes(model)
-    engine = Engine(model, _IdTokenizer(), max_batch=max(batches), max_len=32 + new_tokens + 64, eos_ids=())
+    out = []
+    for variant in variants:
+        out += _engine_rounds(cfg, model, variant, batches, new_tokens, bandwidth, nbytes, quant_route, log)
+    del model
+    jax.clear_caches()
+    return out
+
+
+def _engine_rounds(cfg, model, variant, batches, new_tokens, bandwidth, nbytes, quant_route, log):
+    import threading
+    import numpy as np
+    from amdllm.infer.engine import Engine, Request
+    engine = Engine(model, _IdTokenizer(), max_batch=max(batches), max_len=32 + new_tokens + 64, eos_ids=(),
+                    unstack=variant == "sliced")
     out = []
     try:
         t0 = time.perf_counter()
@@ -409,7 +422,7 @@ def serve_engine(cfg, batches, new_tokens, bandwidth, log, quant_route: str | No
                 rate = (sum(n for _, n in stamps) - skip) / max(times[-1] - times[skip - 1], 1e-9) \
                     if len(times) > skip else None
                 kv = 2 * cfg.num_hidden_layers * B * engine.cache.valid.shape[1] * cfg.kv_dim * 2
-                r = {"weights": f"int4-g128 ({quant_route})" if quant_route else "bf16", "batch": B,
+                r = {"weights": f"int4-g128 ({quant_route})" if quant_route else "bf16", "layers": variant, "batch": B,
                      "round": round_, "new_tokens": new_tokens, "wall_s": wall, "decode_steps": steps,
                      "tokens_per_s_decode": rate, "steps_per_s_decode": rate / B if rate else None,
                      "warmup_s_incl_compile": warm, "model_bytes": nbytes,
@@ -418,8 +431,6 @@ def serve_engine(cfg, batches, new_tokens, bandwidth, log, quant_route: str | No
                 out.append(r)
     finally:
         engine.stop()
-    del model, engine
-    jax.clear_caches()
     return out
 
 

@@ -153,10 +153,12 @@ def test_a_kernel_that_cannot_be_built_is_a_warning_and_xla_decodes(tmp_path, mo
     assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.tmp*"))
 
 
-def test_the_engine_holds_a_bf16_cache_as_bits_and_decodes_as_generate(bf16_ckpt):
+@pytest.mark.parametrize("unstack", [False, True], ids=["views", "unstacked"])
+def test_the_engine_holds_a_bf16_cache_as_bits_and_decodes_as_generate(bf16_ckpt, unstack):
     """The server's engine keeps a bf16 cache as uint16 bits between steps (`batch_cache.HeldCache`: XLA:CPU
     widens a whole bf16 buffer to write one row) and reads floats back for the rows a step runs. Three
-    requests at once (rows joining, finishing and moving) give each prompt's tokens from `generate`."""
+    requests at once (rows joining, finishing and moving) give each prompt's tokens from `generate`, with
+    the step over per-layer views or (unstack=True, as on a GPU) over static slices of the stacked weights."""
     import threading
     from amdllm.infer.engine import Engine, Request
     from amdllm.io.tokenizer import load_tokenizer
@@ -164,8 +166,10 @@ def test_the_engine_holds_a_bf16_cache_as_bits_and_decodes_as_generate(bf16_ckpt
     model = load_weights(d, dtype="bfloat16")
     prompts, lengths = [[1, 5, 9, 22], [1, 40, 41], [1, 7, 8, 9, 10, 11]], [10, 4, 7]
     want = [[s[0] for s in Decoder(model, eos_ids=()).stream([p], n)] for p, n in zip(prompts, lengths)]
-    eng = Engine(model, load_tokenizer("data/tokenizer"), max_batch=4, max_len=64, eos_ids=(), pad_id=0)
+    eng = Engine(model, load_tokenizer("data/tokenizer"), max_batch=4, max_len=64, eos_ids=(), pad_id=0,
+                 unstack=unstack)
     try:
+        assert (eng.views is None) == unstack and isinstance(eng.cache.k, tuple)
         assert eng.held.narrow and all(a.dtype == jnp.uint16 for a in jax.tree.leaves((eng.cache.k, eng.cache.v)))
         got, done = {}, [threading.Event() for _ in prompts]
 

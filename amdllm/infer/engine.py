@@ -124,7 +124,7 @@ class Engine:
     """Owns the model, the batch cache and the worker thread. `submit(req)` is thread-safe."""
 
     def __init__(self, model, tokenizer, *, max_batch: int = 8, max_len: int | None = None,
-                 eos_ids=None, pad_id: int | None = None):
+                 eos_ids=None, pad_id: int | None = None, unstack: bool = False):
         cfg = model.cfg
         self.cfg, self.tokenizer = cfg, tokenizer
         self.B = int(max_batch)
@@ -139,7 +139,10 @@ class Engine:
         # the decode step reads per-layer weight views on the CPU (no copies out of the stack; see
         # amdllm.model.fast) and then keeps a per-layer cache; the prefill scans the stacked weights, or
         # runs over the views too where its rows fit the native kernel (`prefill_layers`)
-        self.views = layer_views(self.layers, rows=self.B)
+        # unstack=True: the step runs the stacked weights as an unrolled loop over static slices instead (no
+        # views, no scan), as `Decoder(unstack=)` does on a GPU; measured by benchmarks/gpu.py, serve_engine
+        self.unstack = bool(unstack)
+        self.views = None if self.unstack else layer_views(self.layers, rows=self.B)
         self.dtype = model.dtype
         self.held = HeldCache(self.dtype)
         self._build(model)
@@ -185,6 +188,8 @@ class Engine:
             # tok/pos/active/k/temp/top_p [n]: the cache's first n rows; every row writes slot c; inactive
             # rows stay invalid
             n = tok.shape[0]
+            if self.unstack:
+                layers = [jax.tree.map(lambda a, i=i: a[i], layers) for i in range(cfg.num_hidden_layers)]
             sub = KVCache(as_floats(row_of(cache.k, 0, n)), as_floats(row_of(cache.v, 0, n)), cache.valid[:n])
             logits, sub = step_logits(cfg, run, top, layers, tok, pos, active, sub, c)     # [n, V]
             cache = KVCache(put_row(cache.k, as_held(sub.k), 0), put_row(cache.v, as_held(sub.v), 0),
@@ -218,7 +223,7 @@ class Engine:
         return min(self.S, max(MIN_CACHE_SLOTS, _pow2(n)))
 
     def _new_cache(self, slots: int) -> KVCache:
-        c = init_cache(self.cfg, self.B, slots, self.dtype, per_layer=self.views is not None)
+        c = init_cache(self.cfg, self.B, slots, self.dtype, per_layer=self.views is not None or self.unstack)
         return KVCache(jax.tree.map(self.held.hold, c.k), jax.tree.map(self.held.hold, c.v), c.valid)
 
     def _reserve(self, n: int) -> None:
