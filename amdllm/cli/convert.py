@@ -5,8 +5,6 @@ from amdllm.cli.common import emit
 from amdllm.io.convert import convert
 
 
-
-
 def run(args) -> int:
     r = convert(args.model, args.out, dtype=args.dtype, allow_pickle=args.allow_pickle,
                 delta_base=args.delta_base, max_shard_size=args.max_shard_size, overwrite=args.overwrite)

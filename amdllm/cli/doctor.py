@@ -5,8 +5,6 @@ from amdllm.cli.common import emit
 from amdllm.env import doctor, format_report
 
 
-
-
 def run(args) -> int:
     r = doctor()
     emit(r, args.json, format_report(r))

@@ -18,8 +18,6 @@ from amdllm.io.tokenizer import encoder
 from amdllm.parallel.sharding import make_mesh
 
 
-
-
 def run(args) -> int:
     dataset = read_dataset(args, ("test", "validation"))
     if dataset is not None:

@@ -27,8 +27,6 @@ from amdllm.train.loop import (TrainConfig, check_batch_splits, check_run_dir, f
                                rss_now)
 
 
-
-
 def run(args) -> int:
     model_dir = resolve_model_dir(args.model)
     # before anything is loaded: an earlier adapter or run in --out is replaced only when asked

@@ -7,8 +7,6 @@ from amdllm.cli.common import emit, model_dir
 from amdllm.infer.generate import generate, load_model
 
 
-
-
 def run(args) -> int:
     model, tokenizer, _ = load_model(model_dir(args.model), args.adapter, args.dtype, args.allow_pickle)
     r = generate(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_p,

@@ -10,8 +10,6 @@ from amdllm.parallel.plan import (DEVICE_MEMORY_GB, fewest_devices, format_plan,
                                   remat_key)
 
 
-
-
 def run(args) -> int:
     if args.model is None:
         cfg = LlamaConfig.from_json(model_dir(None))

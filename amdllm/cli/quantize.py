@@ -73,4 +73,3 @@ def run_quantize(args) -> dict:
             "gptq_err": sum(r["gptq_err"] for r in rows) if rows else None,
             "rtn_err": sum(r["rtn_err"] for r in rows) if rows and args.compare_rtn else None,
             "calibration": calib_report or None}
-

@@ -8,8 +8,6 @@ from amdllm.infer.http import listen_socket, server_config, socket_url
 from amdllm.infer.serve import build
 
 
-
-
 def run(args) -> int:
     import uvicorn  # the HTTP stack is imported by the command that serves, not by every command
 
