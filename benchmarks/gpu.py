@@ -170,9 +170,8 @@ def per_layer_copies(layers: dict) -> list[dict]:
     """Stacked layer weights [L, ...] as L per-layer dicts, copied on the device (the weights' memory twice).
     `amdllm.model.fast.layer_views` makes such views without copying on a CPU only; this lets a GPU run the
     same unrolled decode step, to see what the layer scan costs there."""
-    import jax
-    L = jax.tree.leaves(layers)[0].shape[0]
-    return [jax.tree.map(lambda a, i=i: a[i], layers) for i in range(L)]
+    from amdllm.model.fast import layer_slices
+    return layer_slices(layers)  # outside jit: each slice is a copy
 
 
 def summarize_trace(trace_dir: str, steps: int, top: int = 12) -> dict:

@@ -46,7 +46,7 @@ from amdllm.infer.batch_cache import HeldCache, pad_slots, put_row, roll_slots, 
 from amdllm.infer.decode import inference_run, last_logits, sample_rows, sampling_mode, step_logits
 from amdllm.model import KVCache, to_pure
 from amdllm.cpu import cpu_compiler_options
-from amdllm.model.fast import init_cache, layer_views, prefill_layers
+from amdllm.model.fast import init_cache, layer_slices, layer_views, prefill_layers
 from amdllm.model.narrow import inference_weights
 from amdllm.io.tokenizer import pad_id as tokenizer_pad_id
 
@@ -189,7 +189,7 @@ class Engine:
             # rows stay invalid
             n = tok.shape[0]
             if self.unstack:
-                layers = [jax.tree.map(lambda a, i=i: a[i], layers) for i in range(cfg.num_hidden_layers)]
+                layers = layer_slices(layers)
             sub = KVCache(as_floats(row_of(cache.k, 0, n)), as_floats(row_of(cache.v, 0, n)), cache.valid[:n])
             logits, sub = step_logits(cfg, run, top, layers, tok, pos, active, sub, c)     # [n, V]
             cache = KVCache(put_row(cache.k, as_held(sub.k), 0), put_row(cache.v, as_held(sub.v), 0),

@@ -35,7 +35,7 @@ from amdllm.io.tokenizer import load_tokenizer, pad_id
 from amdllm.infer.decode import inference_run, last_logits, sample_token, sampling_mode, step_logits
 from amdllm.model import KVCache, to_pure
 from amdllm.cpu import cpu_compiler_options
-from amdllm.model.fast import init_cache, layer_views, prefill_layers, split_cache
+from amdllm.model.fast import init_cache, layer_slices, layer_views, prefill_layers, split_cache
 from amdllm.model.narrow import inference_weights
 from amdllm.model.qmatmul import default_route, on_gpu, prepare_kernels
 from amdllm.model.quantized import QuantFormatError
@@ -80,7 +80,7 @@ def _compiled(model):
         # tok/pos [B]: the token just produced and its RoPE position; written at slot cache_index.
         # unstack: run the stacked layers as an unrolled loop over static slices (`Decoder`)
         if unstack:
-            layers = [jax.tree.map(lambda a, i=i: a[i], layers) for i in range(cfg.num_hidden_layers)]
+            layers = layer_slices(layers)
         logits, cache = step_logits(cfg, run, top, layers, tok, pos, jnp.ones_like(tok), cache, cache_index)
         nxt = sample_token(logits, jax.random.fold_in(key, i), temperature, top_p, mode)
         return nxt, logits, cache

@@ -290,6 +290,14 @@ def init_cache(cfg: LlamaConfig, batch: int, max_len: int, dtype=jnp.float32, pe
     return split_cache(cache) if per_layer else cache
 
 
+def layer_slices(layers) -> list:
+    """Stacked layer weights [L, ...] as L per-layer pytrees of the slices a[i]. Inside jit these are static
+    slices that XLA reads where they lie (the decode step on a GPU: `Decoder(unstack=)`,
+    `Engine(unstack=True)`); outside jit each is a copy."""
+    L = jax.tree.leaves(layers)[0].shape[0]
+    return [jax.tree.map(lambda a, i=i: a[i], layers) for i in range(L)]
+
+
 def split_cache(cache: KVCache) -> KVCache:
     """A stacked cache as per-layer tuples (inside a jit: one copy; e.g. after a scanned prefill)."""
     if isinstance(cache.k, (tuple, list)):
