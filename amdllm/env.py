@@ -5,7 +5,8 @@ runs everything — slowly — without a word. So the check is split in two:
   * `collect_facts()` gathers plain facts (device nodes, env vars, versions, what JAX and PyTorch see);
   * `diagnose(facts)` is a pure function from those facts to warnings, so tests can feed any machine
     ("/dev/kfd exists, torch.version.hip = '6.2', JAX backend cpu") and check the advice.
-Also here: `hugetlb_env`, whether the `amdllm` command re-executes itself with glibc's huge-page malloc.
+Also here: `malloc_env`, whether the `amdllm` command re-executes itself with glibc malloc tunables (huge
+pages; for training, freed blocks kept).
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ GPU_FIX = ("install the JAX GPU plugin that matches your jaxlib version — ROCm
            "jaxlib) or run in the `rocm/jax` container; CUDA: `pip install jax[cuda12]` — then check "
            "that `python -c 'import jax; print(jax.devices())'` lists the GPUs")
 HUGETLB = "glibc.malloc.hugetlb"  # glibc >= 2.35: 1 = madvise(MADV_HUGEPAGE) on the large blocks malloc maps
+HEAP_KEPT = {"glibc.malloc.mmap_max": "0", "glibc.malloc.trim_threshold": str(64 << 30)}  # freed blocks stay
+TRAINING_COMMANDS = ("finetune",)  # the commands that run a training step: they keep freed blocks (HEAP_KEPT)
 THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 REEXEC_ENV = "AMDLLM_REEXEC"  # set in a command `amdllm` re-executed with HUGETLB: it never re-executes again
 
@@ -116,30 +119,47 @@ def thp_mode(path: str = THP_ENABLED) -> str | None:
     return m.group(1) if m else None
 
 
+def malloc_tunables(environ) -> dict[str, str]:
+    """The glibc tunables GLIBC_TUNABLES ("name=value:name=value") names, name -> value."""
+    items = (item.partition("=") for item in (environ.get("GLIBC_TUNABLES") or "").split(":"))
+    return {name.strip(): value.strip() for name, _, value in items if name.strip()}
+
+
 def malloc_hugetlb(environ) -> str | None:
-    """The value GLIBC_TUNABLES ("name=value:name=value") gives glibc.malloc.hugetlb; None where unnamed."""
-    for item in (environ.get("GLIBC_TUNABLES") or "").split(":"):
-        name, _, value = item.partition("=")
-        if name.strip() == HUGETLB:
-            return value.strip()
-    return None
+    """The value GLIBC_TUNABLES gives glibc.malloc.hugetlb; None where unnamed."""
+    return malloc_tunables(environ).get(HUGETLB)
 
 
-def hugetlb_env(environ) -> dict | None:
-    """The environment to re-execute the `amdllm` command in so that glibc's malloc asks for transparent huge
-    pages (GLIBC_TUNABLES gains glibc.malloc.hugetlb=1), or None where nothing changes: not Linux, the
-    tunable already named (any value: the user's choice), AMDLLM_HUGETLB=0, already re-executed once
-    (REEXEC_ENV), glibc older than 2.35 (no such tunable) or THP "never". XLA:CPU allocates a training
-    step's temporaries afresh every step; faulting them in 4 KB pages cost ~1 s of kernel time per 3.5 s
-    step (the benchmark LoRA step, 0.96x PEFT without, 1.07x with; README, "CPU speed on Linux"). glibc
-    reads the variable only when the process starts, hence a new process."""
+def malloc_env(environ, command: str | None = None) -> dict | None:
+    """The environment to re-execute the `amdllm` command in with the glibc malloc tunables it wants, or None
+    where nothing changes: not Linux, AMDLLM_HUGETLB=0, already re-executed once (REEXEC_ENV), or every
+    wanted tunable named already (any value: the user's choice; the others are added).
+
+    * glibc.malloc.hugetlb=1, every command, where glibc >= 2.35 and THP is "madvise" or "always": XLA:CPU
+      allocates a training step's temporaries afresh every step; faulting them in 4 KB pages cost ~1 s of
+      kernel time per 3.5 s step (the benchmark LoRA step, 0.96x PEFT without, 1.07x with; README, "CPU
+      speed on Linux").
+    * HEAP_KEPT (mmap_max=0, a 64 GiB trim threshold), `finetune` (TRAINING_COMMANDS), glibc >= 2.26:
+      malloc maps every block over 32 MB (its largest mmap threshold) afresh and unmaps it on free, so
+      each step faults its large temporaries in again (the 1B step: a [256, 128256] float32 logits
+      buffer, [16, 256, 8192] stacked residuals). Kept in the heap, the next step reuses them: 48-54 ->
+      58-59 tokens/s at the 1B shape on a 2-core Zen 4 (BENCHMARKS.md, run 17), peak RSS the same.
+    glibc reads the variable only when the process starts, hence a new process."""
     if (not sys.platform.startswith("linux") or environ.get(REEXEC_ENV)
-            or (environ.get("AMDLLM_HUGETLB") or "").strip() == "0" or malloc_hugetlb(environ) is not None):
+            or (environ.get("AMDLLM_HUGETLB") or "").strip() == "0"):
         return None
-    if (glibc_version() or (0, 0)) < (2, 35) or thp_mode() not in ("madvise", "always"):
+    glibc = glibc_version() or (0, 0)
+    wanted = {}
+    if glibc >= (2, 35) and thp_mode() in ("madvise", "always"):
+        wanted[HUGETLB] = "1"
+    if glibc >= (2, 26) and command in TRAINING_COMMANDS:
+        wanted.update(HEAP_KEPT)
+    named = malloc_tunables(environ)
+    added = [f"{k}={v}" for k, v in wanted.items() if k not in named]
+    if not added:
         return None
-    tunables = (environ.get("GLIBC_TUNABLES") or "").strip(":")
-    return {**environ, "GLIBC_TUNABLES": f"{tunables}:{HUGETLB}=1" if tunables else f"{HUGETLB}=1", REEXEC_ENV: "1"}
+    tunables = ":".join([t for t in (environ.get("GLIBC_TUNABLES") or "").split(":") if t] + added)
+    return {**environ, "GLIBC_TUNABLES": tunables, REEXEC_ENV: "1"}
 
 
 def _huge_page_facts() -> dict:

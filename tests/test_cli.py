@@ -220,31 +220,53 @@ def huge_page_machine(monkeypatch):
     return monkeypatch
 
 
-def test_hugetlb_env_decisions(huge_page_machine):
+def test_malloc_env_decisions(huge_page_machine):
     m = huge_page_machine
-    new = env.hugetlb_env({"PATH": "/bin"})
+    new = env.malloc_env({"PATH": "/bin"})
     assert new == {"PATH": "/bin", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1", env.REEXEC_ENV: "1"}
-    assert env.hugetlb_env(new) is None  # the re-executed command does not go again
-    assert env.hugetlb_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})["GLIBC_TUNABLES"] == \
+    assert env.malloc_env(new) is None  # the re-executed command does not go again
+    assert env.malloc_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})["GLIBC_TUNABLES"] == \
         "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"  # other tunables kept, ours appended
     for already in ("glibc.malloc.hugetlb=1", "glibc.malloc.hugetlb=0",
                     "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=2"):
-        assert env.hugetlb_env({"GLIBC_TUNABLES": already}) is None  # named already: the user's choice
-    assert env.hugetlb_env({"AMDLLM_HUGETLB": "0"}) is None
-    assert env.hugetlb_env({env.REEXEC_ENV: "1"}) is None
+        assert env.malloc_env({"GLIBC_TUNABLES": already}) is None  # named already: the user's choice
+    assert env.malloc_env({"AMDLLM_HUGETLB": "0"}) is None
+    assert env.malloc_env({env.REEXEC_ENV: "1"}) is None
     m.setattr(env, "thp_mode", lambda: "always")
-    assert env.hugetlb_env({}) is not None
+    assert env.malloc_env({}) is not None
     for thp in ("never", None):
         m.setattr(env, "thp_mode", lambda thp=thp: thp)
-        assert env.hugetlb_env({}) is None
+        assert env.malloc_env({}) is None
     m.setattr(env, "thp_mode", lambda: "madvise")
     for old in ((2, 34), (2, 31), None):  # no such tunable before glibc 2.35; not glibc at all
         m.setattr(env, "glibc_version", lambda old=old: old)
-        assert env.hugetlb_env({}) is None
+        assert env.malloc_env({}) is None
     m.setattr(env, "glibc_version", lambda: (2, 39))
-    assert env.hugetlb_env({}) is not None
+    assert env.malloc_env({}) is not None
+
+
+def test_finetune_also_keeps_freed_blocks_in_the_heap(huge_page_machine):
+    m = huge_page_machine
+    heap = ":".join(f"{k}={v}" for k, v in env.HEAP_KEPT.items())
+    assert heap == "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"
+    assert env.malloc_env({}, "finetune")["GLIBC_TUNABLES"] == f"glibc.malloc.hugetlb=1:{heap}"
+    for other in ("generate", "eval", "serve", "quantize", None):
+        assert env.malloc_env({}, other)["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+    # huge pages named already (the Makefile exports them): the heap tunables are still added, once
+    new = env.malloc_env({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}, "finetune")
+    assert new["GLIBC_TUNABLES"] == f"glibc.malloc.hugetlb=1:{heap}" and env.malloc_env(new, "finetune") is None
+    # a tunable the user named keeps the user's value
+    mine = env.malloc_env({"GLIBC_TUNABLES": "glibc.malloc.mmap_max=4"}, "finetune")["GLIBC_TUNABLES"]
+    assert mine == "glibc.malloc.mmap_max=4:glibc.malloc.hugetlb=1:glibc.malloc.trim_threshold=68719476736"
+    assert env.malloc_env({"GLIBC_TUNABLES": f"glibc.malloc.hugetlb=0:{heap}"}, "finetune") is None
+    assert env.malloc_env({"AMDLLM_HUGETLB": "0"}, "finetune") is None
+    m.setattr(env, "thp_mode", lambda: "never")  # no huge pages here: the heap alone
+    assert env.malloc_env({}, "finetune")["GLIBC_TUNABLES"] == heap
+    assert env.malloc_env({}, "generate") is None
+    m.setattr(env, "glibc_version", lambda: (2, 25))  # before glibc 2.26: neither tunable
+    assert env.malloc_env({}, "finetune") is None
     m.setattr(env.sys, "platform", "darwin")
-    assert env.hugetlb_env({}) is None
+    assert env.malloc_env({}) is None
 
 
 def test_machine_facts_parse(tmp_path):

@@ -275,13 +275,14 @@ def test_bf16_dot_is_a_bf16_matmul_with_float32_sums(transposed):
 
 def bf16_dot_count(fn, *args) -> int:
     """How many dots in fn's jaxpr (nested ones included) multiply two bf16 operands into float32: XLA's,
-    or the AMX kernel's (`native.tiles_times`, on a CPU with AMX)."""
+    or the tile kernel's (`native.tiles_times`, on a CPU with AMX or AVX-512 BF16)."""
     def count(jaxpr):
         n = 0
         for e in jaxpr.eqns:
             if e.primitive.name == "dot_general":
                 n += all(v.aval.dtype == jnp.bfloat16 for v in e.invars) and e.outvars[0].aval.dtype == jnp.float32
-            n += e.primitive.name == "ffi_call" and e.params["target_name"] in native.TILES_TARGETS.values()
+            n += e.primitive.name == "ffi_call" and any(
+                e.params["target_name"] in by_layout.values() for by_layout in native.TILES_TARGETS.values())
             for sub in jax.extend.core.jaxprs_in_params(e.params):
                 n += count(sub)
         return n

@@ -1,8 +1,10 @@
-"""The AMX kernel (`amdllm.native.tiles_times`, `bf16_tiles.cc`): its products equal float64 sums of the
-same bf16 values in both layouts, at edge sizes and read from a stack of layers in place; a LoRA step on a
-frozen bf16 base runs every base product on it, reads the stacked weights without slicing them, and gives
-the loss and LoRA gradients of XLA's bf16 dots. These need a CPU with AMX (Intel Sapphire Rapids and
-later); elsewhere they are skipped, saying so, and `tiles_available()` must be False there."""
+"""The tile kernels (`amdllm.native.tiles_times`, `bf16_tiles.cc`: AMX tiles, or AVX-512 BF16's VDPBF16PS):
+their products equal float64 sums of the same bf16 values in both layouts, at edge sizes and read from a
+stack of layers in place; a LoRA step on a frozen bf16 base runs every base product on the kernel, reads
+the stacked weights without slicing them, and gives the loss and LoRA gradients of XLA's bf16 dots. Each
+kind is tested where the CPU has it (AMX: Intel Sapphire Rapids and later; AVX-512 BF16: AMD Zen 4 and
+later, Intel Cooper Lake and later, AMX CPUs included); elsewhere the tests are skipped, saying so, and
+`tiles_kind()` must be None there."""
 from __future__ import annotations
 
 import numpy as np
@@ -15,56 +17,65 @@ from amdllm import native
 from amdllm.cpu import cpu_flags
 from amdllm.model import narrow
 
-AMX = all(f in cpu_flags() for f in native.AMX_FLAGS)
-needs_amx = pytest.mark.skipif(not AMX, reason="this CPU has no AMX tiles: the kernel is not used here")
+KINDS = native.tiles_kinds_of(cpu_flags())  # the faster first
+needs_tiles = pytest.mark.skipif(not KINDS, reason="this CPU has neither AMX nor AVX-512 BF16: no tile kernel here")
+each_kind = pytest.mark.parametrize("kind", KINDS or ["none"])
+TARGETS = {name for by_layout in native.TILES_TARGETS.values() for name in by_layout.values()}
 
 
-def test_the_kernel_is_used_exactly_where_the_cpu_has_amx():
-    assert native.tiles_available() == AMX
+def test_the_kernel_is_the_fastest_this_cpu_has():
+    assert native.tiles_kind() == (KINDS[0] if KINDS else None)
+    assert native.tiles_kinds_of(["avx2", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16"]) == ["amx", "avx512_bf16"]
+    assert native.tiles_kinds_of(["avx2", "avx512bw", "avx512_bf16"]) == ["avx512_bf16"]
+    assert native.tiles_kinds_of(["avx2", "avx512bw"]) == []
 
 
-@needs_amx
-@pytest.mark.parametrize("M,K,N", [(1, 1, 1), (5, 7, 3), (33, 65, 47), (64, 96, 8550 // 50), (256, 2048, 512)])
-def test_tiles_times_equals_float64_sums_of_the_bf16_values(M, K, N):
+@needs_tiles
+@each_kind
+@pytest.mark.parametrize("M,K,N", [(1, 1, 1), (5, 7, 3), (13, 33, 47), (33, 65, 47), (64, 96, 8550 // 50),
+                                   (256, 2048, 512)])
+def test_tiles_times_equals_float64_sums_of_the_bf16_values(kind, M, K, N):
     rng = np.random.default_rng(M + K + N)
     x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
     for transposed in (False, True):
         w = jnp.asarray(rng.standard_normal((N, K) if transposed else (K, N)), jnp.bfloat16)
         want = np.asarray(x, np.float64) @ (np.asarray(w, np.float64).T if transposed else np.asarray(w, np.float64))
-        got = jax.jit(native.tiles_times, static_argnums=2)(x, jax.lax.bitcast_convert_type(w, jnp.uint16),
-                                                            transposed)
+        got = jax.jit(native.tiles_times, static_argnums=(2, 4))(x, jax.lax.bitcast_convert_type(w, jnp.uint16),
+                                                                 transposed, None, kind)
         assert got.shape == (M, N) and got.dtype == jnp.float32
         # float32 sums of exact bf16 products: float32 rounding of K terms
         np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-6 * np.sqrt(K) * np.abs(want).max() + 1e-7)
 
 
-@needs_amx
-def test_a_stack_is_read_in_place_at_the_layer_index():
+@needs_tiles
+@each_kind
+def test_a_stack_is_read_in_place_at_the_layer_index(kind):
     rng = np.random.default_rng(1)
     stack = jnp.asarray(rng.standard_normal((3, 64, 40)), jnp.bfloat16)
     bits = jax.lax.bitcast_convert_type(stack, jnp.uint16)
     x = jnp.asarray(rng.standard_normal((70, 64)), jnp.bfloat16)
-    run = jax.jit(lambda x, b, i: native.tiles_times(x, b, False, i))
+    run = jax.jit(lambda x, b, i: native.tiles_times(x, b, False, i, kind))
     for i in range(3):
-        np.testing.assert_array_equal(np.asarray(run(x, bits, i)), np.asarray(native.tiles_times(x, bits[i])))
+        np.testing.assert_array_equal(np.asarray(run(x, bits, i)),
+                                      np.asarray(native.tiles_times(x, bits[i], kind=kind)))
     # the backward's layout on the same stack: x [M, N] . W[i]^T
     y = jnp.asarray(rng.standard_normal((70, 40)), jnp.bfloat16)
-    np.testing.assert_array_equal(np.asarray(native.tiles_times(y, bits, True, 2)),
-                                  np.asarray(native.tiles_times(y, bits[2].T.copy(), False)))
+    np.testing.assert_array_equal(np.asarray(native.tiles_times(y, bits, True, 2, kind)),
+                                  np.asarray(native.tiles_times(y, bits[2].T.copy(), False, kind=kind)))
 
 
 def tiles_calls(fn, *args) -> list:
-    """The AMX kernel's calls in fn's jaxpr (nested ones included): each call's weight operand's shape."""
+    """The tile kernel's calls in fn's jaxpr (nested ones included): each call's weight operand's shape."""
     def walk(jaxpr):
         for e in jaxpr.eqns:
-            if e.primitive.name == "ffi_call" and e.params["target_name"] in native.TILES_TARGETS.values():
+            if e.primitive.name == "ffi_call" and e.params["target_name"] in TARGETS:
                 yield e.invars[1].aval.shape
             for sub in jax.extend.core.jaxprs_in_params(e.params):
                 yield from walk(sub)
     return list(walk(jax.make_jaxpr(fn)(*args).jaxpr))
 
 
-@needs_amx
+@needs_tiles
 def test_a_lora_step_on_a_bf16_base_runs_on_tiles_reading_the_stack_in_place(monkeypatch):
     from amdllm.train.step import loss_fn
     from tests.test_fast import bf16_lora_model, bits_step_inputs
@@ -89,15 +100,15 @@ def test_a_lora_step_on_a_bf16_base_runs_on_tiles_reading_the_stack_in_place(mon
     jax.clear_caches()
 
 
-def test_without_amx_the_kernel_is_off_quietly(monkeypatch):
+def test_without_amx_or_avx512_bf16_the_kernel_is_off_quietly(monkeypatch):
     import warnings
-    monkeypatch.setattr(native, "cpu_flags", lambda: ["avx2"])
-    native.tiles_available.cache_clear()
+    monkeypatch.setattr(native, "cpu_flags", lambda: ["avx2", "avx512bw"])
+    native.tiles_kind.cache_clear()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            assert not native.tiles_available()
+            assert native.tiles_kind() is None and not native.tiles_available()
         scanned, at = narrow.hold_stacked({"w": narrow.Bits(jnp.zeros((2, 8, 16), jnp.uint16), jnp.bfloat16)})
         assert "w" in scanned and at(0) == {}  # the scan slices as before
     finally:
-        native.tiles_available.cache_clear()
+        native.tiles_kind.cache_clear()

@@ -22,7 +22,7 @@ __all__ = ["main", "build_parser"]
 
 def main(argv: list[str] | None = None) -> int:
     if argv is None:  # the command itself started (not a caller's main([...])): its process is ours to set up
-        _with_huge_pages()
+        _with_malloc_tunables()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     cluster = _cluster()
@@ -36,12 +36,13 @@ def main(argv: list[str] | None = None) -> int:
     return rc
 
 
-def _with_huge_pages() -> None:
-    """Run this command again, once, with glibc's huge-page malloc where the machine has it and the
-    environment does not name it (amdllm.env.hugetlb_env: XLA:CPU's training steps ~10% faster; glibc reads
-    GLIBC_TUNABLES only when a process starts). AMDLLM_HUGETLB=0 turns this off; where exec fails, the
-    command runs as it is."""
-    new_env = env.hugetlb_env(os.environ)
+def _with_malloc_tunables() -> None:
+    """Run this command again, once, with the glibc malloc tunables it wants that the environment does not
+    name (amdllm.env.malloc_env: huge pages, and for `finetune` freed blocks kept in the heap; XLA:CPU's
+    training steps faster; glibc reads GLIBC_TUNABLES only when a process starts). AMDLLM_HUGETLB=0 turns
+    this off; where exec fails, the command runs as it is."""
+    command = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
+    new_env = env.malloc_env(os.environ, command)
     if new_env is not None:
         try:
             os.execve(sys.executable, [sys.executable, "-m", "amdllm.cli", *sys.argv[1:]], new_env)
@@ -50,7 +51,7 @@ def _with_huge_pages() -> None:
 
 
 def _cluster():
-    """amdllm.cli.cluster, imported only after _with_huge_pages and the parse: it imports JAX (~2 s on 2 cores),
+    """amdllm.cli.cluster, imported only after _with_malloc_tunables and the parse: it imports JAX (~2 s on 2 cores),
     which a re-executed command would otherwise pay for twice, and a flag error would wait for."""
     return importlib.import_module("amdllm.cli.cluster")
 

@@ -97,9 +97,10 @@ class Bits:
 
 def _contract(a, bits, b_axis, layer=None):
     """a [M, K] . the bfloat16 matrix whose bits are `bits`, over its axis b_axis (bits [K, N] or [N, K];
-    with `layer`, a stack [L, ...] of them and the one to use) -> [M, N]: bf16 operands, float32 sums. On
-    AMX tiles where the CPU has them (`native.tiles_times`: about 2x XLA:CPU's bf16 dots at the 1B
-    shape's products, and a stack is read in place), else XLA's dot."""
+    with `layer`, a stack [L, ...] of them and the one to use) -> [M, N]: bf16 operands, float32 sums. In
+    the tile kernel where the CPU has AMX or AVX-512 BF16 (`native.tiles_times`: about 2x XLA:CPU's bf16
+    dots at the 1B shape's products on AMX, 1.1x by VDPBF16PS, and a stack is read in place), else XLA's
+    dot."""
     if native.tiles_available():
         return native.tiles_times(a, bits, transposed=b_axis == 1, layer=layer)
     if layer is not None:
@@ -134,7 +135,7 @@ class HeldBits(Bits):
     """One layer of a stack of frozen bfloat16 weights, read in place: `bits` is the whole stack [L, ...]
     and `layer` the index (`hold_stacked`). The layer scan would otherwise copy each layer's slice out of
     the stack before its matmul, forward and backward (1B LoRA step on 2 cores: about 0.9 s of 6). Only the
-    AMX kernel reads a stack in place (`bf16_dot` with a layer); every other use takes the slice first."""
+    tile kernel reads a stack in place (`bf16_dot` with a layer); every other use takes the slice first."""
 
     def __init__(self, bits, dtype, layer):
         super().__init__(bits, dtype)
@@ -170,9 +171,9 @@ class HeldBits(Bits):
 
 
 def hold_stacked(layers: dict):
-    """(the stacked layers to scan, at(i) -> layer i's held weights): on a CPU with AMX tiles
-    (`native.tiles_available`), the stacked bfloat16 kernels as `HeldBits`, read in place by the AMX
-    kernel; `llama.Kernels.hold`."""
+    """(the stacked layers to scan, at(i) -> layer i's held weights): where the tile kernel runs
+    (`native.tiles_available`: AMX or AVX-512 BF16), the stacked bfloat16 kernels as `HeldBits`, read in
+    place by it; `llama.Kernels.hold`."""
     held = {k: v for k, v in layers.items()
             if _is_bits(v) and v.bits.ndim == 3 and v.dtype == jnp.bfloat16} if native.tiles_available() else {}
     scanned = {k: v for k, v in layers.items() if k not in held}
@@ -186,9 +187,9 @@ def bf16_dots_for(w, rows: int) -> bool:
 
 
 def bf16_dot_min_rows() -> int:
-    """The fewest rows `bf16_dot` takes: TILES_MIN_ROWS where the AMX kernel runs (`native.tiles_available`),
+    """The fewest rows `bf16_dot` takes: TILES_MIN_ROWS where the AMX kernel runs (`native.tiles_kind`),
     else BF16_DOT_MIN_ROWS."""
-    return TILES_MIN_ROWS if native.tiles_available() else BF16_DOT_MIN_ROWS
+    return TILES_MIN_ROWS if native.tiles_kind() == "amx" else BF16_DOT_MIN_ROWS
 
 
 def native_rows_for(w, rows: int) -> bool:
@@ -207,8 +208,8 @@ def native_decodes(dtype, rows: int) -> bool:
 
 def native_max_rows() -> int:
     """The most rows a product with bf16 bits sends to the row kernel: DECODE_MAX_ROWS where the AMX
-    kernel takes more (`native.tiles_available`), else PREFILL_MAX_ROWS."""
-    return DECODE_MAX_ROWS if native.tiles_available() else min(PREFILL_MAX_ROWS, native.MAX_ROWS)
+    kernel takes more (`native.tiles_kind`), else PREFILL_MAX_ROWS."""
+    return DECODE_MAX_ROWS if native.tiles_kind() == "amx" else min(PREFILL_MAX_ROWS, native.MAX_ROWS)
 
 
 def _zero_of(x, dtype):

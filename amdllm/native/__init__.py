@@ -8,16 +8,18 @@
   checkpoint decoded in float32 (twice the bytes) or widened every layer for every token. The kernel
   widens each weight in a register on its way into a float32 multiply-add: half the bytes of a float32
   product and the same sums, since bfloat16 -> float32 is exact.
-* `bf16_tiles.cc`, `tiles_times`: many bf16 rows times bf16 weights into float32 on Intel AMX tiles (a
-  LoRA step's, or an evaluation's, products with a frozen bf16 base), where the CPU has AMX: 256 rows
-  times the 1B shape's matrices ran at 1.1-3.5x XLA:CPU's bf16 dots on the same Xeon (`jax.jit` timings,
-  docs/benchmark-history.md, "an AMX kernel for the frozen base").
+* `bf16_tiles.cc`, `tiles_times`: many bf16 rows times bf16 weights into float32 (a LoRA step's, or an
+  evaluation's, products with a frozen bf16 base), on Intel AMX tiles where the CPU has AMX, else by
+  AVX-512 BF16's VDPBF16PS where it has that (`tiles_kind`). 256 rows times the 1B shape's matrices:
+  AMX at 1.1-3.5x XLA:CPU's bf16 dots on a 2-core Xeon; VDPBF16PS at 1.0-1.3x them (about 1.1x summed over
+  the ten products) on a 2-core AMD EPYC Zen 4 (`jax.jit` timings; docs/benchmark-history.md, "an AMX
+  kernel for the frozen base" and "VDPBF16PS").
 
 `amdllm.model.narrow` decides where each runs. Each library is compiled on first use with the host's C++
 compiler (`$CXX`, else g++ or c++; about 5 s, once per machine) into `$AMDLLM_CACHE/native` (default
 ~/.cache/amdllm/native) and loaded from there afterwards. Where one cannot be built (no compiler, another
 platform) its `available()` is False, one warning says why, and XLA's way runs. `AMDLLM_NATIVE=0` turns
-both off (to compare).
+all of them off (to compare).
 """
 from __future__ import annotations
 
@@ -44,8 +46,12 @@ TILES_SOURCE = Path(__file__).with_name("bf16_tiles.cc")
 HEADERS = (Path(__file__).with_name("pool.h"),)  # included by both sources
 MAX_ROWS = 64  # bf16_rows.cc kMaxRows: the most rows of x `rows_times` takes
 TARGETS = {False: "amdllm_bf16_rows_kn", True: "amdllm_bf16_rows_nk"}  # by `transposed`
-TILES_TARGETS = {False: "amdllm_bf16_tiles_kn", True: "amdllm_bf16_tiles_nk"}
+TILES_TARGETS = {"amx": {False: "amdllm_bf16_tiles_kn", True: "amdllm_bf16_tiles_nk"},  # by kind, `transposed`
+                 "avx512_bf16": {False: "amdllm_bf16_dots_kn", True: "amdllm_bf16_dots_nk"}}
+TILES_SYMBOLS = {"amx": {False: "Bf16TilesKn", True: "Bf16TilesNk"},
+                 "avx512_bf16": {False: "Bf16DotsKn", True: "Bf16DotsNk"}}
 AMX_FLAGS = ("amx_tile", "amx_bf16")  # /proc/cpuinfo
+TILES_FLAGS = {"amx": AMX_FLAGS, "avx512_bf16": ("avx512bw", "avx512_bf16")}  # each kind's, the faster first
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 
 
@@ -124,37 +130,64 @@ def _off() -> bool:
 
 
 @functools.cache
+def tiles_kind() -> str | None:
+    """Which kernel of `bf16_tiles.cc` runs many-row bf16 products here: "amx" on a CPU with AMX tiles and
+    bf16 that Linux lets this process use, else "avx512_bf16" on a CPU with AVX-512 BF16 (VDPBF16PS: AMD
+    Zen 4 and later, Intel Cooper Lake and later), else None (quietly). `available()`'s conditions apply;
+    where neither can be built or loaded, one warning says why and XLA's dots run."""
+    if _off():
+        return None
+    why = None
+    for kind in tiles_kinds_of(cpu_flags()):
+        try:
+            _register_tiles(kind)
+            return kind
+        except (RuntimeError, OSError, AttributeError) as e:
+            why = why or e
+    if why is not None:
+        warnings.warn(f"amdllm.native: the bf16 tile kernel is off ({why}); bf16 products of many rows run in "
+                      "XLA (slower on this CPU). AMDLLM_NATIVE=0 silences this.", RuntimeWarning, stacklevel=2)
+    return None
+
+
+def tiles_kinds_of(flags) -> list[str]:
+    """The tile kernels a CPU with these /proc/cpuinfo flags can run, the faster first."""
+    return [k for k, need in TILES_FLAGS.items() if all(f in flags for f in need)]
+
+
+@functools.cache
+def _register_tiles(kind: str) -> None:
+    """Build and load `bf16_tiles.cc` and register `kind`'s two handlers with XLA, once per process."""
+    lib = ctypes.cdll.LoadLibrary(str(build(TILES_SOURCE)))
+    ready = lib.amdllm_tiles_ready if kind == "amx" else lib.amdllm_dots_ready
+    if ready() != 1:
+        raise RuntimeError("the kernel did not grant this process the AMX tile state (arch_prctl)" if kind == "amx"
+                           else "the compiled library does not see AVX-512 BF16 on this CPU")
+    for transposed, name in TILES_TARGETS[kind].items():
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, TILES_SYMBOLS[kind][transposed])),
+                                    platform="cpu")
+
+
 def tiles_available() -> bool:
-    """Whether the AMX kernel runs here: `available()`'s conditions, a CPU with AMX tiles and bf16 (most
-    have none: then False, quietly), and Linux letting this process use them."""
-    if _off() or not all(f in cpu_flags() for f in AMX_FLAGS):
-        return False
-    try:
-        lib = ctypes.cdll.LoadLibrary(str(build(TILES_SOURCE)))
-        if lib.amdllm_tiles_ready() != 1:
-            raise RuntimeError("the kernel did not grant this process the AMX tile state (arch_prctl)")
-        jax.ffi.register_ffi_target(TILES_TARGETS[False], jax.ffi.pycapsule(lib.Bf16TilesKn), platform="cpu")
-        jax.ffi.register_ffi_target(TILES_TARGETS[True], jax.ffi.pycapsule(lib.Bf16TilesNk), platform="cpu")
-    except (RuntimeError, OSError, AttributeError) as e:
-        warnings.warn(f"amdllm.native: the AMX kernel is off ({e}); bf16 products of many rows run in XLA "
-                      "(slower on this CPU). AMDLLM_NATIVE=0 silences this.", RuntimeWarning, stacklevel=2)
-        return False
-    return True
+    """Whether many-row bf16 products run in `bf16_tiles.cc` here (`tiles_kind()` is not None)."""
+    return tiles_kind() is not None
 
 
-def tiles_times(x2, bits, transposed: bool = False, layer=None):
+def tiles_times(x2, bits, transposed: bool = False, layer=None, kind: str | None = None):
     """x2 [M, K] as bfloat16 times the bfloat16 matrix whose bits (uint16) are `bits` [K, N] ([N, K] if
-    transposed) -> float32 [M, N], on AMX tiles (`bf16_tiles.cc`); float32 sums, as XLA's bf16 dots with
-    preferred_element_type=float32. With `layer` (an int32 scalar), `bits` is a stack [L, K, N] read in
-    place at that layer: inside the layer scan, no copy of the slice. No gradient:
-    `amdllm.model.narrow.bf16_dot` is the differentiable form. Where the kernel is not
-    `tiles_available()`, a RuntimeError."""
-    if not tiles_available():  # also what registers the kernel with XLA, once per process
-        raise RuntimeError("amdllm.native: the AMX kernel is not available here")
+    transposed) -> float32 [M, N], in `bf16_tiles.cc`: on AMX tiles or by VDPBF16PS (`kind`, by default
+    `tiles_kind()`); float32 sums, as XLA's bf16 dots with preferred_element_type=float32. With `layer` (an
+    int32 scalar), `bits` is a stack [L, K, N] read in place at that layer: inside the layer scan, no copy
+    of the slice. No gradient: `amdllm.model.narrow.bf16_dot` is the differentiable form. Where the kernel
+    is not available, a RuntimeError."""
+    kind = kind or tiles_kind()  # tiles_kind() also registers the kernel with XLA, once per process
+    if kind is None:
+        raise RuntimeError("amdllm.native: the bf16 tile kernel is not available here")
+    _register_tiles(kind)
     n = bits.shape[-2] if transposed else bits.shape[-1]
     out = jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32)
     at = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
-    return jax.ffi.ffi_call(TILES_TARGETS[transposed], out, vmap_method="sequential")(
+    return jax.ffi.ffi_call(TILES_TARGETS[kind][transposed], out, vmap_method="sequential")(
         x2.astype(jnp.bfloat16), bits, at)
 
 

@@ -1,21 +1,26 @@
-// Many rows of bfloat16 activations times a frozen bfloat16 weight matrix on Intel AMX tiles, float32 sums.
+// Many rows of bfloat16 activations times a frozen bfloat16 weight matrix, float32 sums: on Intel AMX tiles,
+// or, on a CPU without AMX, by AVX-512 BF16's VDPBF16PS (AMD Zen 4 and later, Intel Cooper Lake).
 //
 // Why: a LoRA step on a bf16 base multiplies 256+ rows by every weight matrix, forward and backward
 // (dx = dy . W^T; the base gets no gradient). XLA:CPU ran those bf16 dots at 200-540 GFLOP/s on a 2-core
 // Xeon with AMX, where PyTorch (oneDNN) reached 330-940, so peft's step was faster with the same work
-// (docs/benchmark-history.md, "LoRA training step").
+// (docs/benchmark-history.md, "LoRA training step"); on a 2-core Zen 4 at 300-370 of the 468 that
+// VDPBF16PS can reach, where PyTorch reached about 400.
 // AMX multiplies 16x32 by 32x16 bf16 tiles into 16x16 float32 tiles in one instruction.
 //
 // Two layouts, both x [M, K] -> y [M, N] float32, W 2-D or a stack of layers' [L, ...] read at a layer index:
-//   bf16_tiles_kn: W [K, N] (amdllm's [in, out] kernels; the backward of a tied head).
-//   bf16_tiles_nk: W [N, K] (the backward of an [in, out] kernel, dy . W^T; a tied head's [V, D] table).
-// AMX wants B as [K/2][N][2] pairs; neither layout is, so each thread packs a panel of W's columns into
-// that order (kn: two rows interleaved; nk: 16x16 transposes of 32-bit pairs) right before using it, while
-// it is hot in L2, and reuses it for every block of 32 rows of x. x is packed once, into 32x32 blocks.
-// Each step multiplies a 32x32 block of y: 2 tiles of x by 2 tiles of W into 4 float32 tiles.
+//   *_kn: W [K, N] (amdllm's [in, out] kernels; the backward of a tied head).
+//   *_nk: W [N, K] (the backward of an [in, out] kernel, dy . W^T; a tied head's [V, D] table).
+// Both instruction sets want W as [K/2][N][2] pairs; neither layout is, so each thread packs a panel of W's
+// columns into that order (kn: two rows interleaved; nk: 16x16 transposes of 32-bit pairs) right before
+// using it, while it is hot in L2, and reuses it for every block of rows of x. x is packed once, into
+// blocks of 32 (AMX) or 12 (VDPBF16PS) rows by 32 columns.
+// An AMX step multiplies a 32x32 block of y: 2 tiles of x by 2 tiles of W into 4 float32 tiles. A VDPBF16PS
+// step multiplies 12 rows of x by 32 columns of W into 24 registers of 16 float32 sums.
 // Threads: XLA's intra-op pool (pool.h), as bf16_rows.cc. Built by amdllm/native/__init__.py; the functions carry
 // their own target attributes, so the file compiles on any x86-64 g++/clang++ that knows AMX, and
-// amdllm_tiles_ready() says at run time whether this CPU and kernel let a process use the tiles.
+// amdllm_tiles_ready() and amdllm_dots_ready() say at run time which of the two this CPU (and, for AMX,
+// Linux) lets a process use.
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -36,6 +41,8 @@ using amdllm_native::in_parallel;
 #include <unistd.h>
 
 #define AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw")))
+#define PACK __attribute__((target("avx512f,avx512bw")))
+#define DOTS __attribute__((target("avx512f,avx512bw,avx512bf16")))
 
 constexpr int64_t kBlock = 32;        // rows of x and columns of W per step
 constexpr int64_t kStep = 1024;       // bf16 values per packed k-step of a block: 2 tiles of 16 x 32
@@ -50,6 +57,11 @@ extern "C" int amdllm_tiles_ready() {  // 1 when this process may use AMX tiles 
   if (!tile || !bf16) return 0;
   constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
   return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0 ? 1 : 0;
+}
+
+extern "C" int amdllm_dots_ready() {  // 1 when this CPU has AVX-512 BF16 (VDPBF16PS)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16") ? 1 : 0;
 }
 
 struct alignas(64) TileConfig {
@@ -80,14 +92,14 @@ struct Aligned {  // a 64-byte aligned scratch buffer of uint16
   }
 };
 
-// x [M, K] -> blocks [M/32][K/32][32 rows][32], zero-padded: the two x tiles of a step lie in 2 KB.
-static void pack_x(const uint16_t* x, int64_t M, int64_t K, int64_t mb, uint16_t* out) {
+// x [M, K] -> blocks [M/rows][K/32][rows][32], zero-padded: the two x tiles of an AMX step lie in 2 KB.
+static void pack_x(const uint16_t* x, int64_t M, int64_t K, int64_t mb, uint16_t* out, int64_t rows = kBlock) {
   const int64_t steps = (K + kBlock - 1) / kBlock;
   for (int64_t s = 0; s < steps; ++s) {
-    uint16_t* dst = out + (mb * steps + s) * kStep;
+    uint16_t* dst = out + (mb * steps + s) * rows * kBlock;
     const int64_t k0 = s * kBlock, n = std::min(kBlock, K - k0);
-    for (int64_t r = 0; r < kBlock; ++r) {
-      const int64_t m = mb * kBlock + r;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t m = mb * rows + r;
       const int64_t have = m < M ? n : 0;
       if (have) std::memcpy(dst + r * kBlock, x + m * K + k0, have * 2);
       if (have < kBlock) std::memset(dst + r * kBlock + have, 0, (kBlock - have) * 2);
@@ -97,7 +109,7 @@ static void pack_x(const uint16_t* x, int64_t M, int64_t K, int64_t mb, uint16_t
 
 // W [K, N] column blocks nb0..nb1-1 -> each [K/32][2 tiles][16 pairs of rows][16 columns][2], zero-padded,
 // `stride` values apart. Row pair by row pair over all the blocks: W is read along its rows.
-AMX static void pack_kn(const uint16_t* w, int64_t K, int64_t N, int64_t nb0, int64_t nb1, uint16_t* out,
+PACK static void pack_kn(const uint16_t* w, int64_t K, int64_t N, int64_t nb0, int64_t nb1, uint16_t* out,
                         int64_t stride) {
   const int64_t steps = (K + kBlock - 1) / kBlock;
   const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
@@ -117,7 +129,7 @@ AMX static void pack_kn(const uint16_t* w, int64_t K, int64_t N, int64_t nb0, in
   }
 }
 
-AMX static inline void transpose16(__m512i r[16]) {  // 16 x 16 32-bit values
+PACK static inline void transpose16(__m512i r[16]) {  // 16 x 16 32-bit values
   __m512i t[16];
   for (int i = 0; i < 16; i += 2) {
     t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
@@ -142,7 +154,7 @@ AMX static inline void transpose16(__m512i r[16]) {  // 16 x 16 32-bit values
 
 // W [N, K] rows n0..n0+31 -> the same packed order as pack_kn: a pair (W[n, k], W[n, k+1]) is one 32-bit
 // value of W's row, so each tile is a 16 x 16 transpose of those.
-AMX static void pack_nk(const uint16_t* w, int64_t K, int64_t N, int64_t n0, uint16_t* out) {
+PACK static void pack_nk(const uint16_t* w, int64_t K, int64_t N, int64_t n0, uint16_t* out) {
   const int64_t steps = (K + kBlock - 1) / kBlock;
   for (int64_t s = 0; s < steps; ++s) {
     const int64_t k0 = s * kBlock, n = std::min(kBlock, K - k0);
@@ -158,6 +170,19 @@ AMX static void pack_nk(const uint16_t* w, int64_t K, int64_t N, int64_t n0, uin
       for (int p = 0; p < 16; ++p) _mm512_store_si512(dst + p * kBlock, r[p]);
     }
   }
+}
+
+// W's column blocks nb0..nb1-1 packed (pack_kn or pack_nk) into this thread's panel buffer, one block's
+// [K/32][2 tiles][16 pairs][16 columns][2] after another.
+PACK static const uint16_t* pack_panel(const uint16_t* w, int64_t K, int64_t N, bool nk, int64_t nb0, int64_t nb1) {
+  static thread_local Aligned panel_buffer;
+  const int64_t stride = (K + kBlock - 1) / kBlock * kStep;
+  uint16_t* panel = panel_buffer.get((nb1 - nb0) * stride);
+  if (nk)
+    for (int64_t nb = nb0; nb < nb1; ++nb) pack_nk(w, K, N, nb * kBlock, panel + (nb - nb0) * stride);
+  else
+    pack_kn(w, K, N, nb0, nb1, panel, stride);
+  return panel;
 }
 
 // y[32, 32] (row stride ldy) = a block of packed x . a block of packed W, `steps` k-steps.
@@ -186,13 +211,8 @@ AMX static void block(const uint16_t* a, const uint16_t* b, int64_t steps, float
 // used by every block of rows.
 AMX static void columns(const uint16_t* xp, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N,
                         bool nk, int64_t nb0, int64_t nb1) {
-  static thread_local Aligned panel_buffer;
   const int64_t steps = (K + kBlock - 1) / kBlock, mbs = (M + kBlock - 1) / kBlock;
-  uint16_t* panel = panel_buffer.get((nb1 - nb0) * steps * kStep);
-  if (nk)
-    for (int64_t nb = nb0; nb < nb1; ++nb) pack_nk(w, K, N, nb * kBlock, panel + (nb - nb0) * steps * kStep);
-  else
-    pack_kn(w, K, N, nb0, nb1, panel, steps * kStep);
+  const uint16_t* panel = pack_panel(w, K, N, nk, nb0, nb1);
   configure();
   alignas(64) float edge[kBlock * kBlock];
   for (int64_t mb = 0; mb < mbs; ++mb) {
@@ -212,9 +232,60 @@ AMX static void columns(const uint16_t* xp, const uint16_t* w, float* y, int64_t
   _tile_release();
 }
 
+// Without AMX, with AVX-512 BF16: the same packed panels, multiplied by VDPBF16PS, which adds
+// x[m, k] W[k, n] + x[m, k+1] W[k+1, n] into each of 16 float32 lanes. One packed pair-row of a W tile
+// (16 columns of (k, k+1) pairs) is one register; a pair of x is broadcast to all lanes. 12 rows x 32 columns
+// measured the same as 8 x 32 (2-core Zen 4); packing W is about a tenth of the time at 256 rows.
+constexpr int64_t kRows = 12;  // rows of x per VDPBF16PS step: 12 x 2 accumulators of the 32 registers
+
+// y[rows, 32] (row stride ldy) = a block of kRows rows of packed x . a block of packed W.
+DOTS static void dots_block(const uint16_t* a, const uint16_t* b, int64_t steps, float* y, int64_t ldy) {
+  __m512 acc[kRows][2];
+  for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < steps; ++s, a += kRows * kBlock, b += kStep) {
+    for (int p = 0; p < kBlock / 2; ++p) {
+      const __m512bh b0 = (__m512bh)_mm512_load_si512(b + p * kBlock);              // columns 0-15
+      const __m512bh b1 = (__m512bh)_mm512_load_si512(b + kStep / 2 + p * kBlock);  // columns 16-31
+      for (int r = 0; r < kRows; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, a + r * kBlock + 2 * p, 4);
+        const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, b0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, b1);
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    _mm512_storeu_ps(y + r * ldy, acc[r][0]);
+    _mm512_storeu_ps(y + r * ldy + 16, acc[r][1]);
+  }
+}
+
+// `columns` for the AVX-512 BF16 kernel: x packed in blocks of kRows rows.
+DOTS static void dot_columns(const uint16_t* xp, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N,
+                             bool nk, int64_t nb0, int64_t nb1) {
+  const int64_t steps = (K + kBlock - 1) / kBlock, mbs = (M + kRows - 1) / kRows;
+  const uint16_t* panel = pack_panel(w, K, N, nk, nb0, nb1);
+  alignas(64) float edge[kRows * kBlock];
+  for (int64_t mb = 0; mb < mbs; ++mb) {
+    const uint16_t* a = xp + mb * steps * kRows * kBlock;
+    for (int64_t nb = nb0; nb < nb1; ++nb) {
+      const uint16_t* b = panel + (nb - nb0) * steps * kStep;
+      const int64_t m0 = mb * kRows, n0 = nb * kBlock;
+      if (m0 + kRows <= M && n0 + kBlock <= N) {
+        dots_block(a, b, steps, y + m0 * N + n0, N);
+      } else {  // an edge: through a buffer
+        dots_block(a, b, steps, edge, kBlock);
+        const int64_t rows = std::min(kRows, M - m0), cols = std::min(kBlock, N - n0);
+        for (int64_t r = 0; r < rows; ++r) std::memcpy(y + (m0 + r) * N + n0, edge + r * kBlock, cols * 4);
+      }
+    }
+  }
+}
+
 static ffi::Error Tiles(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16>& x, ffi::Buffer<ffi::U16>& w,
-                        ffi::Buffer<ffi::S32>& layer, ffi::Result<ffi::Buffer<ffi::F32>>& y, bool nk) {
-  const std::string name = nk ? "bf16_tiles_nk" : "bf16_tiles_kn";
+                        ffi::Buffer<ffi::S32>& layer, ffi::Result<ffi::Buffer<ffi::F32>>& y, bool nk, bool amx) {
+  const std::string name = std::string(amx ? "bf16_tiles" : "bf16_dots") + (nk ? "_nk" : "_kn");
   const auto dims = w.dimensions();
   const size_t rank = dims.size();
   if ((rank != 2 && rank != 3) || x.dimensions().size() != 2 || layer.element_count() != 1)
@@ -231,11 +302,12 @@ static ffi::Error Tiles(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16>& x, ffi::B
     std::fill(yp, yp + M * N, 0.f);
     return ffi::Error::Success();
   }
-  const int64_t steps = (K + kBlock - 1) / kBlock, mbs = (M + kBlock - 1) / kBlock, nbs = (N + kBlock - 1) / kBlock;
+  const int64_t rows = amx ? kBlock : kRows;  // x's rows per packed block
+  const int64_t steps = (K + kBlock - 1) / kBlock, mbs = (M + rows - 1) / rows, nbs = (N + kBlock - 1) / kBlock;
   Aligned x_buffer;  // per call: an evaluation's x can be large, and is freed on return
-  uint16_t* xp = x_buffer.get(mbs * steps * kStep);
+  uint16_t* xp = x_buffer.get(mbs * steps * rows * kBlock);
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.typed_data());
-  in_parallel(pool, helpers(pool), mbs, [&](int64_t mb) { pack_x(xs, M, K, mb, xp); });
+  in_parallel(pool, helpers(pool), mbs, [&](int64_t mb) { pack_x(xs, M, K, mb, xp, rows); });
   // groups of column blocks: a panel of about kPanelBytes, and at least 4 groups a thread where N allows
   const int64_t threads = helpers(pool) + 1;
   const int64_t fit = std::max<int64_t>(1, kPanelBytes / (steps * kStep * 2));
@@ -243,7 +315,10 @@ static ffi::Error Tiles(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16>& x, ffi::B
   const int64_t groups = (nbs + group - 1) / group;
   const uint16_t* wp = w.typed_data() + at * K * N;
   in_parallel(pool, helpers(pool), groups, [&](int64_t g) {
-    columns(xp, wp, yp, M, K, N, nk, g * group, std::min(nbs, (g + 1) * group));
+    if (amx)
+      columns(xp, wp, yp, M, K, N, nk, g * group, std::min(nbs, (g + 1) * group));
+    else
+      dot_columns(xp, wp, yp, M, K, N, nk, g * group, std::min(nbs, (g + 1) * group));
   });
   return ffi::Error::Success();
 }
@@ -251,28 +326,46 @@ static ffi::Error Tiles(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16>& x, ffi::B
 #else  // not x86-64: no tiles (amdllm_tiles_ready() is 0, so the handlers are never called)
 
 extern "C" int amdllm_tiles_ready() { return 0; }
+extern "C" int amdllm_dots_ready() { return 0; }
 
 static ffi::Error Tiles(ffi::ThreadPool&, ffi::Buffer<ffi::BF16>&, ffi::Buffer<ffi::U16>&, ffi::Buffer<ffi::S32>&,
-                        ffi::Result<ffi::Buffer<ffi::F32>>&, bool) {
-  return ffi::Error::Internal("bf16_tiles: AMX tiles need an x86-64 CPU");
+                        ffi::Result<ffi::Buffer<ffi::F32>>&, bool, bool) {
+  return ffi::Error::Internal("bf16_tiles: AMX tiles and AVX-512 BF16 need an x86-64 CPU");
 }
 
 #endif
 
-template <bool NK>
+template <bool NK, bool AMX_TILES>
 static ffi::Error TilesIn(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U16> w,
                          ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> y) {
-  return Tiles(pool, x, w, layer, y, NK);
+  return Tiles(pool, x, w, layer, y, NK, AMX_TILES);
 }
+// the handlers' functions by name (a template argument list's comma would split the macro's arguments)
+static constexpr auto TilesKn = TilesIn<false, true>, TilesNk = TilesIn<true, true>;
+static constexpr auto DotsKn = TilesIn<false, false>, DotsNk = TilesIn<true, false>;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Bf16TilesKn, TilesIn<false>,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Bf16TilesKn, TilesKn,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::U16>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Bf16TilesNk, TilesIn<true>,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Bf16TilesNk, TilesNk,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Bf16DotsKn, DotsKn,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Bf16DotsNk, DotsNk,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()

@@ -170,8 +170,9 @@ def mfu(tokens_per_s: float, flops_per_tok: float, n_devices: int, peak_flops_pe
 def measure_cpu_flops(n: int = 1024, repeats: int = 5) -> float:
     """This machine's CPU matmul FLOP/s, cached per process: the best of `repeats` n^3 float32 dots, of
     bfloat16 dots into float32 where this CPU has bf16 instructions (`amdllm.cpu.has_bf16_dots`; the
-    training step then multiplies a bf16 base that way, about 2x faster), and of the AMX kernel where it
-    runs (`native.tiles_available`; the step then multiplies with it), whichever is fastest."""
+    training step then multiplies a bf16 base that way, about 2x faster), and of the tile kernel where it
+    runs (`native.tiles_available`: AMX or AVX-512 BF16; the step then multiplies with it), whichever is
+    fastest."""
     cpu = jax.local_devices(backend="cpu")[0]  # this process's own (with several, [0] is process 0's)
     dot = partial(jnp.dot, preferred_element_type=jnp.float32)
     kinds = [(jnp.float32, dot)] + ([(jnp.bfloat16, dot)] if has_bf16_dots() else [])
