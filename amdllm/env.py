@@ -142,8 +142,9 @@ def malloc_env(environ, command: str | None = None) -> dict | None:
     * HEAP_KEPT (mmap_max=0, a 64 GiB trim threshold), `finetune` (TRAINING_COMMANDS), glibc >= 2.26:
       malloc maps every block over 32 MB (its largest mmap threshold) afresh and unmaps it on free, so
       each step faults its large temporaries in again (the 1B step: a [256, 128256] float32 logits
-      buffer, [16, 256, 8192] stacked residuals). Kept in the heap, the next step reuses them: 48-54 ->
-      58-59 tokens/s at the 1B shape on a 2-core Zen 4 (BENCHMARKS.md, run 17), peak RSS the same.
+      buffer, [16, 256, 8192] stacked residuals). Kept in the heap, the next step reuses them: the 1B
+      step on a 2-core Zen 4 went from 47.6-54.1 to 54.9-59.1 tokens/s in alternating runs, with the same
+      peak RSS (docs/benchmark-history.md, "VDPBF16PS and the kept heap").
     glibc reads the variable only when the process starts, hence a new process."""
     if (not sys.platform.startswith("linux") or environ.get(REEXEC_ENV)
             or (environ.get("AMDLLM_HUGETLB") or "").strip() == "0"):
