@@ -344,31 +344,16 @@ static ffi::Error TilesIn(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::B
 static constexpr auto TilesKn = TilesIn<false, true>, TilesNk = TilesIn<true, true>;
 static constexpr auto DotsKn = TilesIn<false, false>, DotsNk = TilesIn<true, false>;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Bf16TilesKn, TilesKn,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::U16>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Bf16TilesNk, TilesNk,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::U16>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Bf16DotsKn, DotsKn,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::U16>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Bf16DotsNk, DotsNk,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::U16>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// The four handlers take the same arguments: x, W's bits, the layer index; they return y.
+#define AMDLLM_TILES_HANDLER(symbol, fn)                                                                  \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, fn,                                                              \
+                                ffi::Ffi::Bind()                                                         \
+                                    .Ctx<ffi::ThreadPool>()                                              \
+                                    .Arg<ffi::Buffer<ffi::BF16>>()                                       \
+                                    .Arg<ffi::Buffer<ffi::U16>>()                                        \
+                                    .Arg<ffi::Buffer<ffi::S32>>()                                        \
+                                    .Ret<ffi::Buffer<ffi::F32>>())
+AMDLLM_TILES_HANDLER(Bf16TilesKn, TilesKn);
+AMDLLM_TILES_HANDLER(Bf16TilesNk, TilesNk);
+AMDLLM_TILES_HANDLER(Bf16DotsKn, DotsKn);
+AMDLLM_TILES_HANDLER(Bf16DotsNk, DotsNk);
