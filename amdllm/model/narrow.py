@@ -8,10 +8,11 @@
     frozen base is multiplied as bf16 x bf16 -> float32, forward and backward, instead of being widened:
     XLA:CPU runs those dots about 2x faster than float32 (the 1B LoRA step: 43 -> 63-73 tokens/s). From
     BF16_DOT_MIN_ROWS rows up: decoding's one-row products stay widened, which is faster there.
-    Where the CPU has AMX tiles, those products run in a C++ kernel instead (`amdllm.native.tiles_times`,
-    about 2x XLA's bf16 dots at the 1B shape), from TILES_MIN_ROWS rows up (a short prompt's prefill
-    too), and it reads the layer scan's stacked weights in place (`hold_stacked`, `HeldBits`): no copy
-    of each layer's slice, forward and backward.
+    Where the CPU has AMX tiles, or else AVX-512 BF16, those products run in a C++ kernel instead
+    (`amdllm.native.tiles_times`; at the 1B shape about 2x XLA's bf16 dots on AMX, about XLA's speed by
+    VDPBF16PS), and it reads the layer scan's stacked weights in place (`hold_stacked`, `HeldBits`): no
+    copy of each layer's slice, forward and backward. With AMX from TILES_MIN_ROWS rows up (a short
+    prompt's prefill too); by VDPBF16PS from BF16_DOT_MIN_ROWS, as XLA's dots.
   * A few rows (decoding; a short prompt's prefill where there is no AMX: `native_max_rows`) times
     bfloat16 weights run in a C++ kernel that reads the weights as they lie (`amdllm.native.rows_times`;
     `native_rows_for`), where it could be built.
@@ -99,7 +100,7 @@ def _contract(a, bits, b_axis, layer=None):
     """a [M, K] . the bfloat16 matrix whose bits are `bits`, over its axis b_axis (bits [K, N] or [N, K];
     with `layer`, a stack [L, ...] of them and the one to use) -> [M, N]: bf16 operands, float32 sums. In
     the tile kernel where the CPU has AMX or AVX-512 BF16 (`native.tiles_times`: about 2x XLA:CPU's bf16
-    dots at the 1B shape's products on AMX, 1.1x by VDPBF16PS, and a stack is read in place), else XLA's
+    dots at the 1B shape's products on AMX, about 1x by VDPBF16PS, and a stack is read in place), else XLA's
     dot."""
     if native.tiles_available():
         return native.tiles_times(a, bits, transposed=b_axis == 1, layer=layer)

@@ -11,9 +11,10 @@
 * `bf16_tiles.cc`, `tiles_times`: many bf16 rows times bf16 weights into float32 (a LoRA step's, or an
   evaluation's, products with a frozen bf16 base), on Intel AMX tiles where the CPU has AMX, else by
   AVX-512 BF16's VDPBF16PS where it has that (`tiles_kind`). 256 rows times the 1B shape's matrices:
-  AMX at 1.1-3.5x XLA:CPU's bf16 dots on a 2-core Xeon; VDPBF16PS at 1.0-1.3x them (about 1.1x summed over
-  the ten products) on a 2-core AMD EPYC Zen 4 (`jax.jit` timings; docs/benchmark-history.md, "an AMX
-  kernel for the frozen base" and "VDPBF16PS").
+  AMX at 1.1-3.5x XLA:CPU's bf16 dots on a 2-core Xeon; VDPBF16PS at about XLA's speed on a 2-core AMD
+  EPYC Zen 4 (the ten products summed: 0.98x and 1.06x XLA's rate in two runs of
+  benchmarks/bench_tiles.py); its gain in the LoRA step likely comes from reading the stacked layers in
+  place (`jax.jit` timings; docs/benchmark-history.md, "an AMX kernel for the frozen base" and "VDPBF16PS").
 
 `amdllm.model.narrow` decides where each runs. Each library is compiled on first use with the host's C++
 compiler (`$CXX`, else g++ or c++; about 5 s, once per machine) into `$AMDLLM_CACHE/native` (default

@@ -4,8 +4,8 @@
 // Why: a LoRA step on a bf16 base multiplies 256+ rows by every weight matrix, forward and backward
 // (dx = dy . W^T; the base gets no gradient). XLA:CPU ran those bf16 dots at 200-540 GFLOP/s on a 2-core
 // Xeon with AMX, where PyTorch (oneDNN) reached 330-940, so peft's step was faster with the same work
-// (docs/benchmark-history.md, "LoRA training step"); on a 2-core Zen 4 at 300-370 of the 468 that
-// VDPBF16PS can reach, where PyTorch reached about 400.
+// (docs/benchmark-history.md, "LoRA training step"); on a 2-core Zen 4 at 270-370 of the 465 that
+// VDPBF16PS reaches there, where PyTorch reached 400-440 (benchmarks/bench_tiles.py).
 // AMX multiplies 16x32 by 32x16 bf16 tiles into 16x16 float32 tiles in one instruction.
 //
 // Two layouts, both x [M, K] -> y [M, N] float32, W 2-D or a stack of layers' [L, ...] read at a layer index:
