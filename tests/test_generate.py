@@ -158,19 +158,23 @@ def test_context_limit_is_a_clear_error(tmp_path):
 
 def test_per_layer_decoding_shares_weight_memory_and_matches_the_scan(models):
     """On the CPU the decode step runs per-layer weight views (`layer_views`): they must alias the
-    stacked arrays (no second copy of the model) and give the scanned step's tokens and logits."""
+    stacked arrays (no second copy of the model) and give the scanned step's tokens and logits (the scan
+    multiplies by XLA's dots, the views by the float32 row kernel)."""
     from amdllm.infer.generate import layer_views
     from amdllm.model import to_pure
     _, ours = models
     _, layers = to_pure(ours)
     views = layer_views(layers)
     assert views is not None and len(views) == ours.cfg.num_hidden_layers
+    from amdllm.model.dense import Dense
+    assert isinstance(views[0]["q_proj"], Dense)  # float32 projections: the native kernel's (test_native.py)
     for name, stacked in layers.items():
         per = stacked[0].size * stacked.dtype.itemsize
         for i, v in enumerate(views):
-            assert v[name].shape == stacked.shape[1:]
-            assert v[name].unsafe_buffer_pointer() == stacked.unsafe_buffer_pointer() + i * per, name
-            np.testing.assert_array_equal(np.asarray(v[name]), np.asarray(stacked[i]))
+            a = v[name].w if isinstance(v[name], Dense) else v[name]
+            assert a.shape == stacked.shape[1:]
+            assert a.unsafe_buffer_pointer() == stacked.unsafe_buffer_pointer() + i * per, name
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(stacked[i]))
     fast = list(Decoder(ours, eos_ids=()).stream(PROMPTS, 10, return_logits=True))
     scan = list(Decoder(ours, eos_ids=(), per_layer=False, unstack=False).stream(PROMPTS, 10, return_logits=True))
     # what a GPU runs by default: the stacked weights unrolled as static slices inside the step
@@ -199,6 +203,21 @@ def test_sampling_mode_is_static_and_each_mode_gives_the_general_tokens():
         assert "stablehlo.case" not in hlo and "stablehlo.if" not in hlo, mode
         np.testing.assert_array_equal(np.asarray(f(logits, key, t, p, mode=mode)),
                                       np.asarray(f(logits, key, t, p, mode="nucleus")))
+
+
+def test_greedy_picks_what_argmax_picks_ties_and_nans_included():
+    """`first_max` (a max, then the least index reaching it) stands in for jnp.argmax in the sampler: the
+    first of tied maxima, the first NaN of a row holding one, a row of -inf, and wide vocabularies."""
+    from amdllm.infer.decode import first_max
+    rng = np.random.default_rng(0)
+    rows = rng.integers(-3, 4, (6, 50)).astype(np.float32)  # small integers: ties everywhere
+    rows[1, [7, 30]] = np.nan
+    rows[2] = -np.inf
+    rows[3, [4, 9]] = np.inf
+    for x in (rows, rng.standard_normal((3, 128256)).astype(np.float32), rows[0]):
+        got = jax.jit(first_max)(jnp.asarray(x))
+        assert got.dtype == jnp.int32
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
 
 
 def test_forward_takes_per_layer_weights_and_either_cache_layout(models):

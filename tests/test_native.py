@@ -1,7 +1,9 @@
-"""The native bf16 row kernel (`amdllm.native`): its products equal XLA's on the widened weights, forward and
-backward; a bf16 decode step runs it on per-layer views and never widens a kernel; decoding a bf16
-checkpoint this way agrees with transformers in bfloat16; `--dtype auto` picks what it documents; and a
-kernel that cannot be built costs a warning, not a failure."""
+"""The native row kernels (`amdllm.native`, rows.cc): the bf16 one's products equal XLA's on the widened
+weights, forward and backward; a bf16 decode step runs it on per-layer views and never widens a kernel;
+decoding a bf16 checkpoint this way agrees with transformers in bfloat16; the float32 one's products equal
+XLA's, forward and backward, and a float32 decode step runs every projection and the head through it;
+`--dtype auto` picks what it documents; and a kernel that cannot be built costs a warning, not a failure.
+(Greedy float32 decoding against transformers, which now runs the float32 kernel: tests/test_generate.py.)"""
 from __future__ import annotations
 
 import os
@@ -18,6 +20,7 @@ import jax.numpy as jnp
 from amdllm import native
 from amdllm.infer.generate import Decoder, load_weights, resolve_dtype
 from amdllm.model import Run, forward, init_cache, to_pure
+from amdllm.model.dense import Dense
 from amdllm.model.fast import layer_views, prefill_layers
 from amdllm.model.narrow import Bits, inference_weights, native_max_rows
 from tests.tiny import make_hf_checkpoint
@@ -60,6 +63,46 @@ def test_rows_times_gives_the_same_bits_every_call():
     first = np.asarray(step(x, bits))
     for _ in range(50):
         np.testing.assert_array_equal(np.asarray(step(x, bits)), first)
+
+
+@pytest.mark.parametrize("K,N", [(48, 40), (64, 33), (7, 5), (1408, 520), (40, 8192)])
+def test_f32_rows_times_equals_xla(K, N):
+    """Every row count the kernel takes (its sums are held in registers per row count), column counts that
+    end in a partial block, a single vector and single columns; the gradients are XLA's own."""
+    rng = np.random.default_rng(K * N)
+    w = jnp.asarray(rng.standard_normal((K, N)), jnp.float32)
+    step = jax.jit(native.f32_rows_times)
+    for M in range(1, native.F32_MAX_ROWS + 1):
+        x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
+        want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+        got = step(x, w)
+        assert got.shape == (M, N) and got.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(got), want, atol=2e-6 * np.abs(want).max(), rtol=0)
+        np.testing.assert_array_equal(np.asarray(step(x, w)), np.asarray(got))  # the same bits every call
+    dy = jnp.asarray(rng.standard_normal((M, N)), jnp.float32)
+    dx, dw = jax.vjp(native.f32_rows_times, x, w)[1](dy)
+    np.testing.assert_allclose(np.asarray(dx), np.asarray(dy @ w.T), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(dw), np.asarray(x.T @ dy), rtol=1e-6, atol=1e-6)
+
+
+def test_a_float32_decode_step_runs_every_kernel_through_the_f32_kernel(tmp_path):
+    """Per-layer views of a float32 model hold its projections as `Dense` for up to F32_MAX_ROWS rows: the
+    step's seven projections per layer and its [D, V] head are custom calls, and no float32 dot of a kernel
+    is left to XLA. More rows keep plain arrays (XLA's dots)."""
+    d, _ = make_hf_checkpoint(tmp_path, dtype="float32", seed=6)
+    model = load_weights(d, dtype="float32")
+    cfg = model.cfg
+    top, layers = inference_weights(*to_pure(model))
+    B = native.F32_MAX_ROWS
+    views = layer_views(layers, rows=B)
+    assert isinstance(views[0]["q_proj"], Dense) and not isinstance(views[0]["input_layernorm"], Dense)
+    assert not isinstance(layer_views(layers, rows=B + 1)[0]["q_proj"], Dense)
+    cache = init_cache(cfg, B, 8, model.dtype, per_layer=True)
+    tok = jnp.ones((B, 1), jnp.int32)
+    text = jax.jit(lambda t, v, c: forward(cfg, t, v, tok, cache=c, cache_index=0, run=Run(model.dtype))
+                   ).lower(top, views, cache).as_text()
+    assert text.count("@amdllm_f32_rows_kn(") == 7 * cfg.num_hidden_layers + 1
+    assert not re.search(rf"dot_general[^\n]*tensor<{cfg.hidden_size}x\d+xf32>", text)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["lm_head", "tied"])
@@ -144,7 +187,7 @@ def test_a_kernel_that_cannot_be_built_is_a_warning_and_xla_decodes(tmp_path, mo
     monkeypatch.setattr(native, "compiler", lambda: "/bin/false")
     native.available.cache_clear()
     try:
-        with pytest.warns(RuntimeWarning, match="bf16 row kernel is off .*false failed on bf16_rows.cc"):
+        with pytest.warns(RuntimeWarning, match="row kernel is off .*false failed on rows.cc"):
             assert not native.available()
         stacked = {"w": Bits(jnp.zeros((2, 8, 16), jnp.uint16), jnp.bfloat16)}
         assert layer_views(stacked, rows=1) is None

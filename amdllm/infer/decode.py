@@ -49,6 +49,17 @@ def sampling_mode(temperature, top_p) -> str:
     return "nucleus" if (top_p < 1).any() else "sample"
 
 
+def first_max(logits):
+    """jnp.argmax(logits, axis=-1) as int32, to the tie and the NaN (the first maximum; where a row holds a
+    NaN, its first NaN), from a max and a min of the indices where it is reached. XLA:CPU computes argmax as
+    one reduction of (value, index) pairs, 2-3x slower (2-core EPYC Zen 4: [8, 8192] logits 270 against 152
+    us, [1, 128256] 616 against 183; `jax.jit` timings, 2026-12-05); a 31M model decodes 8 rows in ~8 ms."""
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    reached = (logits == m) | jnp.isnan(logits)
+    index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    return jnp.min(jnp.where(reached, index, logits.shape[-1]), axis=-1)
+
+
 def sample_token(logits, key, temperature, top_p, mode: str = "nucleus"):
     """logits [B, V] float32; temperature, top_p [B] -> token ids [B] int32.
 
@@ -69,7 +80,7 @@ def sample_rows(logits, keys, temperature, top_p, mode: str = "nucleus"):
     that batch unrelated requests (the server) pass each request's own key, and must not vmap this."""
     if mode not in ("greedy", "sample", "nucleus"):
         raise ValueError(f"sampling mode must be greedy, sample or nucleus, got {mode!r}")
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = first_max(logits)
     if mode == "greedy":
         return greedy
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]

@@ -35,6 +35,7 @@ from jax.ad_checkpoint import checkpoint_name
 from amdllm.config import LlamaConfig
 import amdllm.model.llama as llama
 from amdllm.model.attention import _scores, library_attention
+from amdllm.model.dense import hold_dense
 from amdllm.model.layers import lora_delta, rms_norm
 from amdllm.model.llama import KVCache, Kernels, LoRA, Run, block, embed, project
 from amdllm.model.narrow import (Bits, bf16_dots_for, fence, has_bits, head_blocked, hold_stacked, keep_bits,
@@ -329,7 +330,7 @@ def layer_views(layers: dict, rows: int = 1) -> list[dict] | None:
     views = jax.device_put(slices, devices * L)  # one call for all L x n slices: half the time of one each
     if any(v.unsafe_buffer_pointer() != h.ctypes.data for v, h in zip(views, slices)):
         return None  # copied (e.g. a misaligned slice): not worth the memory
-    return [jax.tree.unflatten(treedef, views[i * n:(i + 1) * n]) for i in range(L)]
+    return [hold_dense(jax.tree.unflatten(treedef, views[i * n:(i + 1) * n]), rows) for i in range(L)]
 
 
 def _native_at(layers, rows: int) -> bool:

@@ -1,6 +1,6 @@
-"""C++ kernels that XLA calls (XLA's FFI) for bfloat16 weights on a CPU, read as they lie.
+"""C++ kernels that XLA calls (XLA's FFI) for weights on a CPU, read as they lie.
 
-* `bf16_rows.cc`, `rows_times`: a few float32 rows times bf16 weights (decoding, and a short prompt's
+* `rows.cc`, `rows_times`: a few float32 rows times bf16 weights (decoding, and a short prompt's
   prefill where there is no AMX: `amdllm.model.narrow.native_max_rows`). Decoding multiplies one row,
   or a few, by every weight matrix, so a decode step takes as long as reading the weights. XLA:CPU has no
   fast bfloat16 matrix-vector product (1.1-2.2 GB/s of weights on a 2-core Xeon with AVX-512 BF16,
@@ -8,6 +8,11 @@
   checkpoint decoded in float32 (twice the bytes) or widened every layer for every token. The kernel
   widens each weight in a register on its way into a float32 multiply-add: half the bytes of a float32
   product and the same sums, since bfloat16 -> float32 is exact.
+* `rows.cc`, `f32_rows_times`: up to 8 float32 rows times float32 weights [in, out] (decoding a float32
+  model: `amdllm.model.dense`). XLA:CPU's float32 dots of 8 rows read the weights at about half the rate
+  of one row's; the kernel keeps each block of sums in registers down a band of the weights' rows
+  (31M benchmark model, 2-core AMD EPYC Zen 4: a decode step of 8 rows 10.2 -> 8.3 ms, of 1 row 5.1 -> 4.7
+  ms; docs/benchmark-history.md, "float32 decoding").
 * `bf16_tiles.cc`, `tiles_times`: many bf16 rows times bf16 weights into float32 (a LoRA step's, or an
   evaluation's, products with a frozen bf16 base), on Intel AMX tiles where the CPU has AMX, else by
   AVX-512 BF16's VDPBF16PS where it has that (`tiles_kind`). 256 rows times the 1B shape's matrices:
@@ -42,11 +47,13 @@ import jaxlib
 from amdllm.cpu import cpu_flags
 
 
-SOURCE = Path(__file__).with_name("bf16_rows.cc")
+SOURCE = Path(__file__).with_name("rows.cc")
 TILES_SOURCE = Path(__file__).with_name("bf16_tiles.cc")
 HEADERS = (Path(__file__).with_name("pool.h"),)  # included by both sources
-MAX_ROWS = 64  # bf16_rows.cc kMaxRows: the most rows of x `rows_times` takes
+MAX_ROWS = 64  # rows.cc kMaxRows: the most rows of x `rows_times` takes
+F32_MAX_ROWS = 8  # rows.cc kF32MaxRows: the most rows of x `f32_rows_times` takes
 TARGETS = {False: "amdllm_bf16_rows_kn", True: "amdllm_bf16_rows_nk"}  # by `transposed`
+F32_TARGET = "amdllm_f32_rows_kn"
 TILES_TARGETS = {"amx": {False: "amdllm_bf16_tiles_kn", True: "amdllm_bf16_tiles_nk"},  # by kind, `transposed`
                  "avx512_bf16": {False: "amdllm_bf16_dots_kn", True: "amdllm_bf16_dots_nk"}}
 TILES_SYMBOLS = {"amx": {False: "Bf16TilesKn", True: "Bf16TilesNk"},
@@ -118,10 +125,11 @@ def available() -> bool:
         lib = ctypes.cdll.LoadLibrary(str(build()))
         jax.ffi.register_ffi_target(TARGETS[False], jax.ffi.pycapsule(lib.Bf16RowsKn), platform="cpu")
         jax.ffi.register_ffi_target(TARGETS[True], jax.ffi.pycapsule(lib.Bf16RowsNk), platform="cpu")
+        jax.ffi.register_ffi_target(F32_TARGET, jax.ffi.pycapsule(lib.F32RowsKn), platform="cpu")
     except (RuntimeError, OSError, AttributeError) as e:
-        warnings.warn(f"amdllm.native: the bf16 row kernel is off ({e}); bfloat16 weights are decoded "
-                      "through XLA, which widens them to float32 every token (slower). AMDLLM_NATIVE=0 "
-                      "silences this.", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"amdllm.native: the row kernel is off ({e}); bfloat16 weights are decoded "
+                      "through XLA, which widens them to float32 every token (slower), and float32 ones by XLA's "
+                      "dots. AMDLLM_NATIVE=0 silences this.", RuntimeWarning, stacklevel=2)
         return False
     return True
 
@@ -215,3 +223,26 @@ def _rows_times_bwd(transposed, res, dy):
 
 
 rows_times.defvjp(lambda x2, bits, transposed: (_call(x2, bits, transposed), (bits, x2[:0, :0])), _rows_times_bwd)
+
+
+def _f32_call(x2, w):
+    if not available():
+        raise RuntimeError("amdllm.native: the row kernel is not available here (its warning says why)")
+    return jax.ffi.ffi_call(F32_TARGET, jax.ShapeDtypeStruct((x2.shape[0], w.shape[1]), jnp.float32),
+                            vmap_method="sequential")(x2.astype(jnp.float32), w.astype(jnp.float32))
+
+
+@jax.custom_vjp
+def f32_rows_times(x2, w):
+    """x2 [M, K] (1 <= M <= F32_MAX_ROWS) times float32 weights w [K, N] -> float32 [M, N], in `rows.cc`.
+    Differentiable in both (the backward is XLA's: dy . w^T and x2^T . dy). Where the kernel is not
+    `available()`, a RuntimeError."""
+    return _f32_call(x2, w)
+
+
+def _f32_rows_times_bwd(res, dy):
+    x2, w = res
+    return (dy @ w.T).astype(x2.dtype), (x2.T.astype(jnp.float32) @ dy).astype(w.dtype)
+
+
+f32_rows_times.defvjp(lambda x2, w: (_f32_call(x2, w), (x2, w)), _f32_rows_times_bwd)
