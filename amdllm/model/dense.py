@@ -1,10 +1,11 @@
 """Float32 weights times a few rows on a CPU: a decode step's products in the native kernel.
 
 Decoding a float32 model multiplies B rows (one per sequence) by every weight matrix. XLA:CPU's float32
-dots of 8 rows read the weights at about half the rate of one row's (15-18 against 24-36 GB/s on a
+dots of 8 rows read the weights at about half the rate of one row's (10-16 against 24-28 GB/s on a
 2-core AMD EPYC Zen 4), so a batch of 8 took twice as long a step as one sequence; `native.f32_rows_times`
 keeps the sums in registers down a band of the weights' rows instead (31M benchmark model, same CPU: an
-8-row step 10.2 -> 8.3 ms, a 1-row step 5.1 -> 4.7 ms; docs/benchmark-history.md, "float32 decoding").
+8-row step 9.9-10.3 -> 8.0-8.5 ms; a 1-row step unchanged within the noise, about 4.9 ms;
+docs/benchmark-history.md, "float32 decoding").
 
   * `hold_dense`: a decode step's per-layer float32 kernels (`amdllm.model.fast.layer_views`) as `Dense`,
     which `layers.linear` hands its rows (`Dense.matmul`).

@@ -11,8 +11,8 @@
 * `rows.cc`, `f32_rows_times`: up to 8 float32 rows times float32 weights [in, out] (decoding a float32
   model: `amdllm.model.dense`). XLA:CPU's float32 dots of 8 rows read the weights at about half the rate
   of one row's; the kernel keeps each block of sums in registers down a band of the weights' rows
-  (31M benchmark model, 2-core AMD EPYC Zen 4: a decode step of 8 rows 10.2 -> 8.3 ms, of 1 row 5.1 -> 4.7
-  ms; docs/benchmark-history.md, "float32 decoding").
+  (31M benchmark model, 2-core AMD EPYC Zen 4: a decode step of 8 rows 9.9-10.3 -> 8.0-8.5 ms, of one
+  row unchanged within the noise; docs/benchmark-history.md, "float32 decoding").
 * `bf16_tiles.cc`, `tiles_times`: many bf16 rows times bf16 weights into float32 (a LoRA step's, or an
   evaluation's, products with a frozen bf16 base), on Intel AMX tiles where the CPU has AMX, else by
   AVX-512 BF16's VDPBF16PS where it has that (`tiles_kind`). 256 rows times the 1B shape's matrices:

@@ -230,7 +230,7 @@ AMDLLM_ROWS_HANDLER(Bf16RowsNk, RowsNk, ffi::U16)
 // f32_rows_kn: up to 8 rows of float32 x times float32 W [K, N] (decoding a batch of up to 8 sequences).
 //
 // Why: a decode step of a float32 model is its dots, and XLA:CPU's float32 dots of a few rows read the
-// weights at 15-18 GB/s for 8 rows where one row reads at 24-36 (2-core AMD EPYC Zen 4, weights past the
+// weights at 10-16 GB/s for 8 rows where one row reads at 24-28 (2-core AMD EPYC Zen 4, weights past the
 // L3). Here each thread takes a contiguous band of W's rows and walks it kSub rows at a time; each pass
 // over the columns keeps an [M, kVecs vectors] block of sums in registers while it reads the kSub rows'
 // next vectors (kSub sequential streams), and prefetches the same columns of the next kSub rows, which
