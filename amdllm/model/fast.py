@@ -315,7 +315,8 @@ def layer_views(layers: dict, rows: int = 1) -> list[dict] | None:
     did not. None where that does not hold (an accelerator, a sharded array, a copy made): the decode
     step then scans the stacked weights. Narrow weights (`Bits`) are viewed only where every kernel runs
     in the native kernel at this many rows (`narrow.native_rows_for`): unrolled, XLA would widen every
-    layer's bits up front, where the scan widens one at a time."""
+    layer's bits up front, where the scan widens one at a time. Float32 projections come back as
+    `dense.Dense` where the float32 row kernel takes `rows` rows (`dense.hold_dense`)."""
     if jax.default_backend() != "cpu":
         return None
     if has_bits(layers) and not _native_at(layers, rows):

@@ -370,7 +370,7 @@ def head_blocked(top: dict, h, dtype):
     h2 = h.reshape(-1, D)
     if native_rows_for(w, h2.shape[0]):  # decoding: the whole table, read once, never widened
         return native.rows_times(h2, w.bits, axis == 0).reshape(*lead, -1)
-    if axis == 1 and dense_rows_for(w, h2):  # decoding a float32 model: `amdllm.model.dense`
+    if axis == 1 and jnp.dtype(dtype) == jnp.float32 and dense_rows_for(w, h2):  # decoding in float32 (model.dense)
         return native.f32_rows_times(h2, w).reshape(*lead, -1)
     if not _narrow(w):
         return head_product(h2, w.astype(dtype), axis == 0).reshape(*lead, -1)
