@@ -163,15 +163,28 @@ static int64_t chunk_rows(int64_t n, int64_t threads) {  // about 4 chunks a thr
   return std::max<int64_t>(64, ((n + 4 * threads - 1) / (4 * threads) + 7) / 8 * 8);
 }
 
-// M, K, N of x [M, K] times W ([K, N], or [N, K] if transposed) into y [M, N] (y_count elements); false if
-// the shapes are not so.
-static bool shapes(const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::U16>& w, int64_t y_count,
-                   bool transposed, int64_t& M, int64_t& K, int64_t& N) {
+// M, K, N of x [M, K] times W ([K, N], or [N, K] if transposed) into y [M, N] (y_count elements), with 1 <= M
+// <= max_rows; false if the shapes are not so.
+template <class W>
+static bool shapes(const ffi::Buffer<ffi::F32>& x, const W& w, int64_t y_count, bool transposed, int64_t& M,
+                   int64_t& K, int64_t& N, int64_t max_rows = kMaxRows) {
   if (w.dimensions().size() != 2) return false;
   K = w.dimensions()[transposed ? 1 : 0];
   N = w.dimensions()[transposed ? 0 : 1];
   M = K ? int64_t(x.element_count()) / K : 0;
-  return 1 <= M && M <= kMaxRows && M * K == int64_t(x.element_count()) && y_count == M * N;
+  return 1 <= M && M <= max_rows && M * K == int64_t(x.element_count()) && y_count == M * N;
+}
+
+// y[i] += part[p * count + i] for p = 0, 1, ..., parts - 1 in that order (each band's partial sums, added
+// in band order: the same numbers whichever thread ran which band). With helpers, ranges of y in parallel.
+static void add_parts(ffi::ThreadPool& pool, int64_t helpers, float* y, const float* part, int64_t parts,
+                      int64_t count) {
+  const int64_t per = std::max<int64_t>(4096, (count + helpers) / (helpers + 1));
+  in_parallel(pool, helpers, (count + per - 1) / per, [&](int64_t c) {
+    const int64_t i0 = c * per, i1 = std::min(count, i0 + per);
+    for (int64_t p = 0; p < parts; ++p)
+      for (int64_t i = i0; i < i1; ++i) y[i] += part[p * count + i];
+  });
 }
 
 static ffi::Error RowsKn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> w,
@@ -193,8 +206,7 @@ static ffi::Error RowsKn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
     std::fill(out, out + M * N, 0.f);
     kn_any(xp, wp, out, M, K, N, k0, k1);
   });
-  for (int64_t c = 1; c < chunks; ++c)
-    for (int64_t i = 0; i < M * N; ++i) yp[i] += part[(c - 1) * M * N + i];
+  add_parts(pool, 0, yp, part.get(), chunks - 1, M * N);
   return ffi::Error::Success();
 }
 
@@ -309,10 +321,8 @@ static void f32_band(const float* x, const float* w, float* y, int64_t K, int64_
 
 static ffi::Error F32RowsKnImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                                 ffi::ResultBuffer<ffi::F32> y) {
-  const auto dims = w.dimensions();
-  const int64_t K = dims.size() == 2 ? dims[0] : 0, N = dims.size() == 2 ? dims[1] : 0;
-  const int64_t M = K ? int64_t(x.element_count()) / K : 0;
-  if (!(1 <= M && M <= kF32MaxRows && M * K == int64_t(x.element_count()) && int64_t(y->element_count()) == M * N))
+  int64_t M, K, N;
+  if (!shapes(x, w, int64_t(y->element_count()), false, M, K, N, kF32MaxRows))
     return ffi::Error::InvalidArgument("f32_rows_kn: W must be 2-D [K, N], x [M, K] with 1 <= M <= 8, y [M, N]");
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();
@@ -329,14 +339,7 @@ static ffi::Error F32RowsKnImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, f
     if (k0 >= k1) return std::fill(out, out + M * N, 0.f);
     with_rows<kF32MaxRows>(M, [&](auto rows) { f32_band<rows()>(xp, wp, out, K, N, k0, k1); });
   });
-  // The bands' sums, added in band order by column ranges (in parallel: 16 threads leave 15 partial sums)
-  const int64_t cols = std::max<int64_t>(256, (N + bands - 1) / bands);
-  in_parallel(pool, bands > 2 ? h : 0, (N + cols - 1) / cols, [&](int64_t c) {
-    const int64_t j0 = c * cols, j1 = std::min(N, j0 + cols);
-    for (int64_t b = 1; b < bands; ++b)
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t j = j0; j < j1; ++j) yp[m * N + j] += part[((b - 1) * M + m) * N + j];
-  });
+  add_parts(pool, bands > 2 ? h : 0, yp, part.get(), bands - 1, M * N);  // 16 threads leave 15 partial sums
   return ffi::Error::Success();
 }
 
