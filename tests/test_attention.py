@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from amdllm import native
 from amdllm.model import fast
 from amdllm.model.attention import attention, cached_attention, library_attention
 from amdllm.model.fast import causal_attention, query_blocks
@@ -32,6 +33,37 @@ def test_causal_attention_matches_textbook(block):
     g_got = jax.grad(lambda *a: jnp.sum(causal_attention(*a, mask, block_rows=block) * w), argnums=(0, 1, 2))(q, k, v)
     for name, a, b in zip("qkv", g_got, g_ref):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6, err_msg=f"d{name}")
+
+
+@pytest.mark.parametrize("block,H,Hkv,hd", [(32, 4, 2, 8), (5, 4, 2, 8), (4, 6, 3, 24), (3, 4, 4, 16), (16, 8, 1, 64)])
+def test_native_attention_matches_textbook(block, H, Hkv, hd):
+    """amdllm/native/attention.cc: outputs and the three gradients equal the textbook's on packed rows, left
+    padding (rows whose keys are all masked), grouped heads, blocks that do not divide T, head sizes off the
+    vector width."""
+    assert native.attention_available()
+    q, k, v, mask, w, real = _inputs(H=H, Hkv=Hkv, hd=hd)
+    scale = 1 / np.sqrt(hd)
+    ref, got = attention(q, k, v, mask), native.causal_attention(q, k, v, mask, scale, block)
+    np.testing.assert_allclose(np.asarray(got * real), np.asarray(ref * real), atol=1e-6)
+    assert np.isfinite(np.asarray(got)).all()
+    g_ref = jax.grad(lambda *a: jnp.sum(attention(*a, mask) * w), argnums=(0, 1, 2))(q, k, v)
+    g_got = jax.grad(lambda *a: jnp.sum(native.causal_attention(*a, mask, scale, block) * w),
+                     argnums=(0, 1, 2))(q, k, v)
+    for name, a, b in zip("qkv", g_got, g_ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=3e-6, err_msg=f"d{name}")
+
+
+def test_native_attention_equals_the_blocked_one_on_padding_rows_too():
+    """A row whose keys are all masked gets the XLA version's uniform weights over its block, in the output
+    and in the backward (a loss that does not ignore padding rows)."""
+    q, k, v, mask, _, _ = _inputs()
+    w = jnp.asarray(np.random.default_rng(3).normal(size=q.shape), jnp.float32)
+    f = lambda fn: jax.value_and_grad(lambda *a: jnp.sum(fn(*a) * w), argnums=(0, 1, 2))(q, k, v)  # noqa: E731
+    (l1, g1), (l2, g2) = (f(lambda *a: causal_attention(*a, mask, block_rows=8)),
+                          f(lambda *a: native.causal_attention(*a, mask, 1 / np.sqrt(8), 8)))
+    np.testing.assert_allclose(float(l2), float(l1), rtol=1e-5)
+    for a, b in zip(g2, g1):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=3e-6)
 
 
 def test_causal_attention_skips_blocks_above_the_diagonal():
@@ -73,6 +105,9 @@ def test_library_attention_matches_textbook():
 def test_attention_implementation_by_backend(monkeypatch):
     monkeypatch.delenv("AMDLLM_ATTENTION", raising=False)
     assert fast.attention_implementation(jnp.bfloat16) == "blocked"  # the CPU
+    assert fast.attention_implementation(jnp.float32) == "native"  # the CPU, where attention.cc builds
+    monkeypatch.setattr(fast.native, "attention_available", lambda: False)
+    assert fast.attention_implementation(jnp.float32) == "blocked"
 
     class Dev:
         device_kind = "NVIDIA H200"
@@ -99,7 +134,7 @@ def test_swiglu_gradients():
     np.testing.assert_allclose(np.asarray(jnp.concatenate(g2, -1)), np.asarray(jax.grad(ref)(gu)), atol=1e-5)
 
 
-@pytest.mark.parametrize("impl", ["xla", "blocked"])
+@pytest.mark.parametrize("impl", ["xla", "blocked", "native"])
 def test_model_forward_with_each_attention_equals_textbook(monkeypatch, impl):
     """The fast forward with AMDLLM_ATTENTION=impl gives the textbook model's logits on packed rows with
     padding (what the cuDNN choice replaces on an NVIDIA GPU)."""

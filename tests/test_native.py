@@ -228,3 +228,39 @@ def test_the_engine_holds_a_bf16_cache_as_bits_and_decodes_as_generate(bf16_ckpt
     finally:
         eng.stop()
     assert [got[i]["token_ids"] for i in range(3)] == want
+
+
+def test_the_float32_lora_step_runs_attention_in_the_kernel(monkeypatch):
+    """A float32 LoRA step on the CPU calls attention.cc forward and backward (one each, inside the layer
+    scan), and its loss, gradient norm and updated LoRA weights equal the XLA attention's step."""
+    from flax import nnx
+
+    from amdllm import train
+    from amdllm.config import LlamaConfig
+    from amdllm.model import Llama, lora
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = lora.apply_lora(Llama(cfg, rngs=nnx.Rngs(0)), rank=4, alpha=8, targets="q,k,v,o,gate,up,down")
+    rng = np.random.default_rng(0)
+    seg = np.array([[1] * 20 + [2] * 8 + [0] * 4, [1] * 32])[None]
+    batch = {"tokens": jnp.asarray(rng.integers(0, 96, (1, 2, 32))),
+             "targets": jnp.asarray(rng.integers(0, 96, (1, 2, 32))),
+             "weights": jnp.asarray(seg != 0, jnp.float32), "segment_ids": jnp.asarray(seg),
+             "positions": jnp.asarray(np.broadcast_to(np.arange(32), (1, 2, 32)))}
+    out = {}
+    for impl in ("native", "blocked"):
+        monkeypatch.setenv("AMDLLM_ATTENTION", impl)
+        lo, frozen = train.split_params(model)
+        opt, _ = train.make_optimizer(train.TrainConfig(steps=10, lr=1e-2, warmup=0))
+        step = train.make_train_step(model, opt)
+        state = opt.init(lo)
+        hlo = step.lower(lo, state, frozen, batch, jax.random.key(0)).compile().as_text()
+        calls = re.findall(r'custom_call_target="(amdllm_attention_\w+)"', hlo)
+        assert sorted(calls) == (["amdllm_attention_bwd", "amdllm_attention_fwd"] if impl == "native" else []), calls
+        out[impl] = step(jax.tree.map(jnp.copy, lo), jax.tree.map(jnp.copy, state), frozen, batch,
+                         jax.random.key(0))  # copies: the step donates them
+    (lo_n, _, m_n), (lo_b, _, m_b) = out["native"], out["blocked"]
+    np.testing.assert_allclose(float(m_n["loss"]), float(m_b["loss"]), rtol=1e-6)
+    np.testing.assert_allclose(float(m_n["grad_norm"]), float(m_b["grad_norm"]), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(lo_n), jax.tree.leaves(lo_b)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)

@@ -6,7 +6,9 @@ numbers (tests/test_fast.py checks every one against the textbook), and is on wh
     key blocks above the diagonal (10 of 16 score blocks at 4 blocks), and the backward recomputes the
     probabilities from q and k instead of keeping them: autodiff of the textbook version saves float32
     probabilities [B, H, T, T] per layer, which `lax.scan` stacks over the layers. Everywhere but on an
-    NVIDIA GPU in fp16/bf16, where cuDNN's fused attention runs instead (`attention_implementation`).
+    NVIDIA GPU in fp16/bf16, where cuDNN's fused attention runs instead, and on a CPU in float32, where
+    the same algorithm runs in C++ (`native_attention`, amdllm/native/attention.cc; 2.5-2.9x faster per
+    layer on the 31M step's shape) (`attention_implementation`).
   * A hand-written SwiGLU backward (`swiglu_joined`, `swiglu_pair`): it saves only its inputs (autodiff
     also saves sigmoid(gate), silu(gate) and more, stacked per layer by the scan). Everywhere.
   * Fused projections (`qkv`, `mlp` with `fuse=True`): q/k/v and gate/up each as one matmul on
@@ -32,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from amdllm import native
 from amdllm.config import LlamaConfig
 import amdllm.model.llama as llama
 from amdllm.model.attention import _scores, library_attention
@@ -201,21 +204,37 @@ _blocked.defvjp(_blocked_fwd, _blocked_bwd)
 # --------------------------------------------------------------------------------------------------
 # The switch, and the forward the hot paths run
 # --------------------------------------------------------------------------------------------------
-ATTENTION = ("blocked", "xla", "cudnn")
+ATTENTION = ("blocked", "native", "xla", "cudnn")
+NATIVE_BLOCK = 32  # query positions per block in attention.cc (31M step: the same speed at 64, slower at 16)
 
 
 def attention_implementation(dtype) -> str:
     """The attention training, evaluation and prefills run (one of ATTENTION): $AMDLLM_ATTENTION where set;
-    else "cudnn" (cuDNN's fused flash attention) on an NVIDIA GPU in fp16/bf16, and our blocked one
-    elsewhere: cuDNN's does not run on ROCm (ROCm/jax#604) nor in float32, and on CPUs and TPUs XLA's
-    unfused attention keeps [B, H, T, T] float32 probabilities for the backward."""
+    else "cudnn" (cuDNN's fused flash attention) on an NVIDIA GPU in fp16/bf16, "native" (`native_attention`)
+    on a CPU in float32 where the native library builds, and our blocked one elsewhere: cuDNN's does not run
+    on ROCm (ROCm/jax#604) nor in float32, and on CPUs and TPUs XLA's unfused attention keeps [B, H, T, T]
+    float32 probabilities for the backward."""
     chosen = os.environ.get("AMDLLM_ATTENTION", "").strip()
     if chosen:
         if chosen not in ATTENTION:
             raise ValueError(f"AMDLLM_ATTENTION={chosen!r}: expected one of {', '.join(ATTENTION)}")
         return chosen
     nvidia = jax.default_backend() == "gpu" and "nvidia" in jax.devices()[0].device_kind.lower()
-    return "cudnn" if nvidia and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "blocked"
+    if nvidia and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
+        return "cudnn"
+    if jnp.dtype(dtype) == jnp.float32 and native.attention_available():  # False off the CPU
+        return "native"
+    return "blocked"
+
+
+def native_attention(q, k, v, mask, block_rows: int | None = None):
+    """`causal_attention` (same arguments and numbers, to float32 rounding) in amdllm/native/attention.cc
+    when q, k and v are float32, else the XLA version. On the 31M benchmark step's shape (batch 8 x 256, 8
+    heads over 2 kv heads, head size 64; 2-core AMD EPYC Zen 4) a layer's forward and backward took 18 ms
+    against 45-52 ms for the XLA version (`jax.jit` timings; docs/benchmark-history.md, "native attention")."""
+    if not all(jnp.dtype(x.dtype) == jnp.float32 for x in (q, k, v)):
+        return causal_attention(q, k, v, mask, block_rows)
+    return native.causal_attention(q, k, v, mask, 1 / math.sqrt(q.shape[-1]), NATIVE_BLOCK)
 
 
 def kernels(fuse: bool, attention: str = "blocked") -> Kernels:
@@ -225,14 +244,17 @@ def kernels(fuse: bool, attention: str = "blocked") -> Kernels:
         gu = project_group(p, "gate_up", h, lora, fuse, joined=True)
         return swiglu_joined(gu) if not isinstance(gu, list) else swiglu_pair(*gu)
 
-    attend = causal_attention if attention == "blocked" else partial(library_attention, implementation=attention)
+    attend = {"blocked": causal_attention, "native": native_attention}.get(attention) or partial(
+        library_attention, implementation=attention)
     return Kernels(qkv=lambda p, h, lora: tuple(project_group(p, "qkv", h, lora, fuse)),
                    attend=attend, mlp=mlp, weights=fence, lookup=lookup)
 
 
 def kernels_for(run: Run, layers=None) -> Kernels:
-    k = kernels(fuse=run.act_sharding is None and jax.default_backend() == "cpu",
-                attention=attention_implementation(run.dtype))
+    attention = attention_implementation(run.dtype)
+    if attention == "native" and run.act_sharding is not None:  # XLA cannot split a custom call over a mesh
+        attention = "blocked"
+    k = kernels(fuse=run.act_sharding is None and jax.default_backend() == "cpu", attention=attention)
     if has_bits(layers):  # a frozen narrow base
         k = k._replace(checkpoint=keep_bits, hold=hold_stacked)
     return k

@@ -21,7 +21,14 @@
   benchmarks/bench_tiles.py); its gain in the LoRA step likely comes from reading the stacked layers in
   place (`jax.jit` timings; docs/benchmark-history.md, "an AMX kernel for the frozen base" and "VDPBF16PS").
 
-`amdllm.model.narrow` decides where each runs. Each library is compiled on first use with the host's C++
+* `attention.cc`, `causal_attention`: causal grouped-query attention in float32, forward and backward
+  (training, evaluation and prefill without a cache: `amdllm.model.fast.native_attention`). XLA:CPU's
+  blocked attention spent about a third of its time on copies into the layouts its batched dots want; here
+  each (sequence, kv head) is packed once and its query blocks run from the L2 cache (31M benchmark step's
+  shape, 2-core AMD EPYC Zen 4: a layer's forward and backward 18 ms against 45-52 ms;
+  docs/benchmark-history.md, "native attention").
+
+`amdllm.model.narrow` and `amdllm.model.fast` decide where each runs. Each library is compiled on first use with the host's C++
 compiler (`$CXX`, else g++ or c++; about 5 s, once per machine) into `$AMDLLM_CACHE/native` (default
 ~/.cache/amdllm/native) and loaded from there afterwards. Where one cannot be built (no compiler, another
 platform) its `available()` is False, one warning says why, and XLA's way runs. `AMDLLM_NATIVE=0` turns
@@ -43,13 +50,15 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import jaxlib
+import numpy as np
 
 from amdllm.cpu import cpu_flags
 
 
 SOURCE = Path(__file__).with_name("rows.cc")
 TILES_SOURCE = Path(__file__).with_name("bf16_tiles.cc")
-HEADERS = (Path(__file__).with_name("pool.h"),)  # included by both sources
+ATTENTION_SOURCE = Path(__file__).with_name("attention.cc")
+HEADERS = (Path(__file__).with_name("pool.h"),)  # included by every source
 MAX_ROWS = 64  # rows.cc kMaxRows: the most rows of x `rows_times` takes
 F32_MAX_ROWS = 8  # rows.cc kF32MaxRows: the most rows of x `f32_rows_times` takes
 TARGETS = {False: "amdllm_bf16_rows_kn", True: "amdllm_bf16_rows_nk"}  # by `transposed`
@@ -60,6 +69,7 @@ TILES_SYMBOLS = {"amx": {False: "Bf16TilesKn", True: "Bf16TilesNk"},
                  "avx512_bf16": {False: "Bf16DotsKn", True: "Bf16DotsNk"}}
 AMX_FLAGS = ("amx_tile", "amx_bf16")  # /proc/cpuinfo
 TILES_FLAGS = {"amx": AMX_FLAGS, "avx512_bf16": ("avx512bw", "avx512_bf16")}  # each kind's, the faster first
+ATTENTION_TARGETS = ("amdllm_attention_fwd", "amdllm_attention_bwd")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 
 
@@ -246,3 +256,59 @@ def _f32_rows_times_bwd(res, dy):
 
 
 f32_rows_times.defvjp(lambda x2, w: (_f32_call(x2, w), (x2, w)), _f32_rows_times_bwd)
+
+
+# --------------------------------------------------------------------------------------------------
+# attention.cc: causal grouped-query attention, forward and backward
+# --------------------------------------------------------------------------------------------------
+@functools.cache
+def attention_available() -> bool:
+    """Whether `causal_attention` runs here (`available()`'s conditions, for `attention.cc`; a warning says why
+    not, once)."""
+    if _off():
+        return False
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(build(ATTENTION_SOURCE)))
+        for name, symbol in zip(ATTENTION_TARGETS, ("AttentionFwd", "AttentionBwd")):
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    except (RuntimeError, OSError, AttributeError) as e:
+        warnings.warn(f"amdllm.native: the attention kernel is off ({e}); training's attention runs in XLA "
+                      "(slower). AMDLLM_NATIVE=0 silences this.", RuntimeWarning, stacklevel=2)
+        return False
+    return True
+
+
+def _attention_fwd_call(q, k, v, mask, scale, block):
+    if not attention_available():
+        raise RuntimeError("amdllm.native: the attention kernel is not available here (its warning says why)")
+    B, T, H, _ = q.shape
+    out = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct((B, H, T), jnp.float32))
+    return jax.ffi.ffi_call(ATTENTION_TARGETS[0], out, vmap_method="sequential")(
+        q, k, v, mask.astype(jnp.bool_), scale=np.float32(scale), block=np.int64(block))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def causal_attention(q, k, v, mask, scale: float, block: int = 32):
+    """softmax(scale q k^T, masked) v for float32 q [B, T, H, hd], k/v [B, T, Hkv, hd] (H a multiple of Hkv),
+    mask [B, T, T] bool, in `attention.cc`, by query blocks of `block` positions that skip the keys after
+    their block: the mask must be causal (no query sees a later key). Differentiable in q, k and v; the
+    backward recomputes the probabilities from the forward's row statistics. Where the kernel is not
+    `attention_available()`, a RuntimeError."""
+    return _attention_fwd_call(q, k, v, mask, scale, block)[0]
+
+
+def _causal_attention_fwd(q, k, v, mask, scale, block):
+    o, lse = _attention_fwd_call(q, k, v, mask, scale, block)
+    return o, (q, k, v, mask, o, lse)
+
+
+def _causal_attention_bwd(scale, block, res, do):
+    q, k, v, mask, o, lse = res
+    out = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(k.shape, jnp.float32),
+           jax.ShapeDtypeStruct(v.shape, jnp.float32))
+    dq, dk, dv = jax.ffi.ffi_call(ATTENTION_TARGETS[1], out, vmap_method="sequential")(
+        q, k, v, mask.astype(jnp.bool_), o, lse, do.astype(jnp.float32), scale=np.float32(scale), block=np.int64(block))
+    return dq, dk, dv, None
+
+
+causal_attention.defvjp(_causal_attention_fwd, _causal_attention_bwd)
