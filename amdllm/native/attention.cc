@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "pool.h"
@@ -82,6 +83,8 @@ static void gemm_rows(const float* x, int64_t xm, int64_t xk, const float* w, in
   int64_t j = 0;
   for (; j + kVecsPer * kLanes <= N; j += kVecsPer * kLanes)
     gemm_block<M, kVecsPer>(x, xm, xk, w, ldw, y, ldy, K, j, acc);
+  if constexpr (kVecsPer > 2)  // e.g. 32 columns left of a block's 96 keys
+    for (; j + 2 * kLanes <= N; j += 2 * kLanes) gemm_block<M, 2>(x, xm, xk, w, ldw, y, ldy, K, j, acc);
   for (; j + kLanes <= N; j += kLanes) gemm_block<M, 1>(x, xm, xk, w, ldw, y, ldy, K, j, acc);
   for (; j < N; ++j)
     for (int m = 0; m < M; ++m) {
@@ -140,8 +143,17 @@ static inline float hsum(vf v) {
 }
 
 // row[s] = mask[s] ? row[s] * scale : kMasked for s < n (a score row, scaled and masked in place).
+typedef int8_t vb __attribute__((vector_size(kLanes)));
+
 static inline void scale_mask(float* row, const bool* mask, int64_t n, float scale) {
-  for (int64_t s = 0; s < n; ++s) row[s] = mask[s] ? row[s] * scale : kMasked;
+  int64_t s = 0;
+  for (; s + kLanes <= n; s += kLanes) {
+    vb m;
+    std::memcpy(&m, mask + s, sizeof m);
+    const vi on = __builtin_convertvector(m, vi) != 0;
+    store_v(row + s, on ? load_v(row + s) * scale : splat(kMasked));
+  }
+  for (; s < n; ++s) row[s] = mask[s] ? row[s] * scale : kMasked;
 }
 
 // row[s] = exp(row[s] - sub) for s < n; returns the sum.
@@ -197,11 +209,11 @@ static bool read_dims(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F32
   return kd[0] == d.B && kd[1] == d.T && kd[3] == d.hd && md[0] == d.B && md[1] == d.T && md[2] == d.T;
 }
 
-// k[b, :, kh, :] as rows [T, hd] (kp) and, if kt, as columns [hd, T].
+// k[b, :, kh, :] as rows [T, hd] (if kp) and as columns [hd, T] (if kt).
 static void pack_heads(const float* k, const Dims& d, int64_t b, int64_t kh, float* kp, float* kt) {
   for (int64_t s = 0; s < d.T; ++s) {
     const float* src = k + d.k(b, s, kh);
-    std::memcpy(kp + s * d.hd, src, d.hd * 4);
+    if (kp) std::memcpy(kp + s * d.hd, src, d.hd * 4);
     if (kt)
       for (int64_t i = 0; i < d.hd; ++i) kt[i * d.T + s] = src[i];
   }
@@ -219,6 +231,14 @@ static void scatter_rows(const float* rows, const Dims& d, int64_t b, int64_t kh
     for (int64_t g = 0; g < d.G; ++g)
       std::memcpy(q + d.q(b, t, kh * d.G + g), rows + ((t - a) * d.G + g) * d.hd, d.hd * 4);
 }
+
+// A work item's buffers, left uninitialised (each is written before it is read).
+struct Scratch {
+  std::unique_ptr<float[]> p;
+  explicit Scratch(int64_t n) : p(new float[n]) {}
+  float* data() { return p.get(); }
+  float& operator[](int64_t i) { return p[i]; }
+};
 
 static int64_t threads_for(ffi::ThreadPool& pool) { return std::max<int64_t>(0, helpers(pool) - 1); }
 
@@ -238,15 +258,13 @@ static ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   float* lp = lse->typed_data();
   in_parallel(pool, threads_for(pool), d.B * d.Hkv, [&](int64_t item) {
     const int64_t b = item / d.Hkv, kh = item % d.Hkv, rows = d.block * d.G;
-    std::vector<float> keys(d.T * d.hd), kt(d.hd * d.T), vals(d.T * d.hd), qr(rows * d.hd), s(rows * d.T),
-        out(rows * d.hd);
-    pack_heads(kp, d, b, kh, keys.data(), kt.data());
+    Scratch kt(d.hd * d.T), vals(d.T * d.hd), qr(rows * d.hd), s(rows * d.T), out(rows * d.hd), inv(rows);
+    pack_heads(kp, d, b, kh, nullptr, kt.data());
     pack_heads(vp, d, b, kh, vals.data(), nullptr);
     for (int64_t a = 0; a < d.T; a += d.block) {
       const int64_t e = std::min(d.T, a + d.block), R = (e - a) * d.G;  // keys 0..e: the rest are after e
       gather_rows(qp, d, b, kh, a, e, qr.data());
       gemm(qr.data(), d.hd, 1, kt.data(), d.T, s.data(), e, R, d.hd, e, false);  // scores [R, e]
-      std::vector<float> inv(R);
       for (int64_t r = 0; r < R; ++r) {
         const int64_t t = a + r / d.G;
         float* row = s.data() + r * e;
@@ -288,9 +306,9 @@ static ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   float* dvp = dv->typed_data();
   in_parallel(pool, threads_for(pool), d.B * d.Hkv, [&](int64_t item) {
     const int64_t b = item / d.Hkv, kh = item % d.Hkv, rows = d.block * d.G;
-    std::vector<float> keys(d.T * d.hd), kt(d.hd * d.T), vals(d.T * d.hd), vt(d.hd * d.T), qr(rows * d.hd),
-        dor(rows * d.hd), orow(rows * d.hd), p(rows * d.T), ds(rows * d.T), dqr(rows * d.hd), delta(rows),
-        dkacc(d.T * d.hd, 0.f), dvacc(d.T * d.hd, 0.f);
+    Scratch keys(d.T * d.hd), kt(d.hd * d.T), vals(d.T * d.hd), vt(d.hd * d.T), qr(rows * d.hd), dor(rows * d.hd),
+        orow(rows * d.hd), p(rows * d.T), ds(rows * d.T), dqr(rows * d.hd), delta(rows);
+    std::vector<float> dkacc(d.T * d.hd, 0.f), dvacc(d.T * d.hd, 0.f);
     pack_heads(kp, d, b, kh, keys.data(), kt.data());
     pack_heads(vp, d, b, kh, vals.data(), vt.data());
     for (int64_t a = 0; a < d.T; a += d.block) {
