@@ -102,6 +102,7 @@ def test_a_float32_decode_step_runs_every_kernel_through_the_f32_kernel(tmp_path
     text = jax.jit(lambda t, v, c: forward(cfg, t, v, tok, cache=c, cache_index=0, run=Run(model.dtype))
                    ).lower(top, views, cache).as_text()
     assert text.count("@amdllm_f32_rows_kn(") == 7 * cfg.num_hidden_layers + 1
+    assert text.count("@amdllm_attention_cached(") == cfg.num_hidden_layers  # attention.cc over the cache
     assert not re.search(rf"dot_general[^\n]*tensor<{cfg.hidden_size}x\d+xf32>", text)
 
 

@@ -16,6 +16,8 @@ numbers (tests/test_fast.py checks every one against the textbook), and is on wh
     smaller ones; the concat copies the kernels, about 1/rows of the matmul work. On XLA:CPU and off a
     mesh only, and from FUSE_MIN_ROWS rows up: accelerators' matmuls are large already, and on a mesh
     the tensor rules split `out`, where a concat would move data.
+  * The decode step's attention over the cache in C++ on a CPU in float32 (`native_cached_attention`,
+    amdllm/native/attention.cc; 3.6x XLA's at batch 8 over 192 slots).
   * Per-layer decoding (`layer_views` + the unrolled loop in `forward`): on a CPU, a decode step reads
     each layer's weights where they lie instead of XLA copying every layer's slice out of the stack
     (most of a decode step's time); zero-copy views, so no memory is spent. CPU only.
@@ -37,7 +39,7 @@ from jax.ad_checkpoint import checkpoint_name
 from amdllm import native
 from amdllm.config import LlamaConfig
 import amdllm.model.llama as llama
-from amdllm.model.attention import _scores, library_attention
+from amdllm.model.attention import _scores, cached_attention, library_attention
 from amdllm.model.dense import hold_dense
 from amdllm.model.layers import lora_delta, rms_norm
 from amdllm.model.llama import KVCache, Kernels, LoRA, Run, block, embed, project
@@ -237,6 +239,26 @@ def native_attention(q, k, v, mask, block_rows: int | None = None):
     return native.causal_attention(q, k, v, mask, 1 / math.sqrt(q.shape[-1]), NATIVE_BLOCK)
 
 
+@jax.custom_vjp
+def native_cached_attention(q, k, v, mask):
+    """`amdllm.model.attention.cached_attention` (same arguments and numbers, to float32 rounding) in
+    amdllm/native/attention.cc when q, k and v are float32, else XLA's. The decode step's attention: at batch
+    8 over 192 cache slots (31M model, 2-core AMD EPYC Zen 4) 63 against 229 us a layer (`jax.jit` timings,
+    docs/benchmark-history.md, "native attention"). Differentiable through XLA's version (a prefill's)."""
+    if not all(jnp.dtype(x.dtype) == jnp.float32 for x in (q, k, v)):
+        return cached_attention(q, k, v, mask)
+    return native.cached_attention(q, k, v, mask, 1 / math.sqrt(q.shape[-1]))
+
+
+def _native_cached_bwd(res, do):
+    q, k, v, mask = res
+    return (*jax.vjp(lambda q, k, v: cached_attention(q, k, v, mask), q, k, v)[1](do), None)
+
+
+native_cached_attention.defvjp(lambda q, k, v, mask: (native_cached_attention(q, k, v, mask), (q, k, v, mask)),
+                               _native_cached_bwd)
+
+
 def kernels(fuse: bool, attention: str = "blocked") -> Kernels:
     """The fast kernels; fuse: join q/k/v and gate/up into one matmul each (see the module doc);
     attention: one of ATTENTION."""
@@ -247,7 +269,8 @@ def kernels(fuse: bool, attention: str = "blocked") -> Kernels:
     attend = {"blocked": causal_attention, "native": native_attention}.get(attention) or partial(
         library_attention, implementation=attention)
     return Kernels(qkv=lambda p, h, lora: tuple(project_group(p, "qkv", h, lora, fuse)),
-                   attend=attend, mlp=mlp, weights=fence, lookup=lookup)
+                   attend=attend, mlp=mlp, weights=fence, lookup=lookup,
+                   attend_cached=native_cached_attention if attention == "native" else cached_attention)
 
 
 def kernels_for(run: Run, layers=None) -> Kernels:

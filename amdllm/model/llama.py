@@ -94,6 +94,7 @@ class Kernels(NamedTuple):
     lookup: Callable = lambda table, tokens: jnp.take(table, tokens, axis=0)  # embedding rows [B, T, D]
     checkpoint: Any = None  # (layer) -> layer: what each layer keeps for the backward (None: all it needs)
     hold: Any = None  # (layers) -> (layers to scan, at(i) -> layer i's weights read in place, not scanned)
+    attend_cached: Callable = cached_attention  # (q [B,T,H,hd], k, v [B,Hkv,S,hd] cache, mask [B,T,S]) -> q's shape
 
 
 class LoRA(NamedTuple):
@@ -151,7 +152,7 @@ def block(cfg: LlamaConfig, p: dict, x, rope, mask, kv=None, cache_index=None, *
         ck = jax.lax.dynamic_update_slice(ck, k.swapaxes(1, 2).astype(ck.dtype), (0, 0, cache_index, 0))
         cv = jax.lax.dynamic_update_slice(cv, v.swapaxes(1, 2).astype(cv.dtype), (0, 0, cache_index, 0))
         kv = (ck, cv)
-        a = cached_attention(q, ck.astype(x.dtype), cv.astype(x.dtype), mask)
+        a = kernels.attend_cached(q, ck.astype(x.dtype), cv.astype(x.dtype), mask)
     a = tap("o_in", a.reshape(B, T, H * hd))                                            # [B, T, H*hd]
     x = x + project(p, "o_proj", a, lora)
     h = tap("mlp_in", rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps))

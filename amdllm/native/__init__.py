@@ -25,11 +25,12 @@
   (training, evaluation and prefill without a cache: `amdllm.model.fast.native_attention`). XLA:CPU's
   blocked attention spent about a third of its time on copies into the layouts its batched dots want; here
   each (sequence, kv head) is packed once and its query blocks run from the L2 cache (31M benchmark step's
-  shape, 2-core AMD EPYC Zen 4: a layer's forward and backward 18 ms against 45-52 ms;
-  docs/benchmark-history.md, "native attention").
+  shape, 2-core AMD EPYC Zen 4: a layer's forward and backward 15-18 ms against 45-52 ms;
+  docs/benchmark-history.md, "native attention"). `cached_attention`: the same over a decode step's
+  head-major cache, forward only (`amdllm.model.fast.native_cached_attention`).
 
-`amdllm.model.narrow` and `amdllm.model.fast` decide where each runs. Each library is compiled on first use with the host's C++
-compiler (`$CXX`, else g++ or c++; about 5 s, once per machine) into `$AMDLLM_CACHE/native` (default
+`amdllm.model.narrow` and `amdllm.model.fast` decide where each runs. Each library is compiled on first use
+with the host's C++ compiler (`$CXX`, else g++ or c++; about 5 s, once per machine) into `$AMDLLM_CACHE/native` (default
 ~/.cache/amdllm/native) and loaded from there afterwards. Where one cannot be built (no compiler, another
 platform) its `available()` is False, one warning says why, and XLA's way runs. `AMDLLM_NATIVE=0` turns
 all of them off (to compare).
@@ -69,7 +70,7 @@ TILES_SYMBOLS = {"amx": {False: "Bf16TilesKn", True: "Bf16TilesNk"},
                  "avx512_bf16": {False: "Bf16DotsKn", True: "Bf16DotsNk"}}
 AMX_FLAGS = ("amx_tile", "amx_bf16")  # /proc/cpuinfo
 TILES_FLAGS = {"amx": AMX_FLAGS, "avx512_bf16": ("avx512bw", "avx512_bf16")}  # each kind's, the faster first
-ATTENTION_TARGETS = ("amdllm_attention_fwd", "amdllm_attention_bwd")
+ATTENTION_TARGETS = ("amdllm_attention_fwd", "amdllm_attention_bwd", "amdllm_attention_cached")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 
 
@@ -269,7 +270,7 @@ def attention_available() -> bool:
         return False
     try:
         lib = ctypes.cdll.LoadLibrary(str(build(ATTENTION_SOURCE)))
-        for name, symbol in zip(ATTENTION_TARGETS, ("AttentionFwd", "AttentionBwd")):
+        for name, symbol in zip(ATTENTION_TARGETS, ("AttentionFwd", "AttentionBwd", "AttentionCached")):
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     except (RuntimeError, OSError, AttributeError) as e:
         warnings.warn(f"amdllm.native: the attention kernel is off ({e}); training's attention runs in XLA "
@@ -312,3 +313,13 @@ def _causal_attention_bwd(scale, block, res, do):
 
 
 causal_attention.defvjp(_causal_attention_fwd, _causal_attention_bwd)
+
+
+def cached_attention(q, k, v, mask, scale: float):
+    """softmax(scale q k^T, masked) v for float32 q [B, T, H, hd] over a head-major cache k, v [B, Hkv, S, hd]
+    (`amdllm.model.attention.cached_attention`'s layout), mask [B, T, S] bool -> [B, T, H, hd], in
+    `attention.cc`. Forward only (decoding). Where the kernel is not `attention_available()`, a RuntimeError."""
+    if not attention_available():
+        raise RuntimeError("amdllm.native: the attention kernel is not available here (its warning says why)")
+    return jax.ffi.ffi_call(ATTENTION_TARGETS[2], jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")(
+        q, k, v, mask.astype(jnp.bool_), scale=np.float32(scale))
