@@ -229,12 +229,16 @@ def attention_implementation(dtype) -> str:
     return "blocked"
 
 
+def _all_float32(*xs) -> bool:  # what amdllm/native/attention.cc takes
+    return all(jnp.dtype(x.dtype) == jnp.float32 for x in xs)
+
+
 def native_attention(q, k, v, mask, block_rows: int | None = None):
     """`causal_attention` (same arguments and numbers, to float32 rounding) in amdllm/native/attention.cc
     when q, k and v are float32, else the XLA version. On the 31M benchmark step's shape (batch 8 x 256, 8
     heads over 2 kv heads, head size 64; 2-core AMD EPYC Zen 4) a layer's forward and backward took 18 ms
     against 45-52 ms for the XLA version (`jax.jit` timings; docs/benchmark-history.md, "native attention")."""
-    if not all(jnp.dtype(x.dtype) == jnp.float32 for x in (q, k, v)):
+    if not _all_float32(q, k, v):
         return causal_attention(q, k, v, mask, block_rows)
     return native.causal_attention(q, k, v, mask, 1 / math.sqrt(q.shape[-1]), NATIVE_BLOCK)
 
@@ -245,7 +249,7 @@ def native_cached_attention(q, k, v, mask):
     amdllm/native/attention.cc when q, k and v are float32, else XLA's. The decode step's attention: at batch
     8 over 192 cache slots (31M model, 2-core AMD EPYC Zen 4) 63 against 229 us a layer (`jax.jit` timings,
     docs/benchmark-history.md, "native attention"). Differentiable through XLA's version (a prefill's)."""
-    if not all(jnp.dtype(x.dtype) == jnp.float32 for x in (q, k, v)):
+    if not _all_float32(q, k, v):
         return cached_attention(q, k, v, mask)
     return native.cached_attention(q, k, v, mask, 1 / math.sqrt(q.shape[-1]))
 

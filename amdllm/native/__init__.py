@@ -59,7 +59,7 @@ from amdllm.cpu import cpu_flags
 SOURCE = Path(__file__).with_name("rows.cc")
 TILES_SOURCE = Path(__file__).with_name("bf16_tiles.cc")
 ATTENTION_SOURCE = Path(__file__).with_name("attention.cc")
-HEADERS = (Path(__file__).with_name("pool.h"),)  # included by every source
+HEADERS = (Path(__file__).with_name("pool.h"), Path(__file__).with_name("vec.h"))  # included by every source
 MAX_ROWS = 64  # rows.cc kMaxRows: the most rows of x `rows_times` takes
 F32_MAX_ROWS = 8  # rows.cc kF32MaxRows: the most rows of x `f32_rows_times` takes
 TARGETS = {False: "amdllm_bf16_rows_kn", True: "amdllm_bf16_rows_nk"}  # by `transposed`

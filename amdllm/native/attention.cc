@@ -25,34 +25,19 @@
 #include <vector>
 
 #include "pool.h"
+#include "vec.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
-using amdllm_native::helpers;
-using amdllm_native::in_parallel;
+using namespace amdllm_native;  // pool.h, vec.h
 
+constexpr int kRowsPer = 6;  // a block of 6 rows x kVecsPer vectors of sums in registers
 #if defined(__AVX512F__)
-constexpr int kLanes = 16;
-constexpr int kRowsPer = 6;  // a block of 6 rows x 4 vectors: 24 of the 32 zmm registers hold sums
-constexpr int kVecsPer = 4;
+constexpr int kVecsPer = 4;  // 24 of the 32 zmm registers
 #else
-constexpr int kLanes = 8;
-constexpr int kRowsPer = 6;  // 6 rows x 2 vectors: 12 of the 16 ymm registers
-constexpr int kVecsPer = 2;
+constexpr int kVecsPer = 2;  // 12 of the 16 ymm registers
 #endif
 constexpr float kMasked = -1e30f;  // amdllm.model.attention.NEG_INF
-typedef float vf __attribute__((vector_size(kLanes * 4)));
-typedef int32_t vi __attribute__((vector_size(kLanes * 4)));
-
-static inline vf load_v(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-static inline void store_v(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-
-static inline vf splat(float f) { return vf{} + f; }
 
 // ---------------------------------------------------------------------------------------------------------
 // y[M, N] (+)= x[M, K] . w[K, N]: x's element (m, k) at x[m * xm + k * xk] (so x may be read transposed),
@@ -94,19 +79,14 @@ static void gemm_rows(const float* x, int64_t xm, int64_t xk, const float* w, in
     }
 }
 
-template <int Max>
-static void gemm_tail(int64_t rows, const float* x, int64_t xm, int64_t xk, const float* w, int64_t ldw, float* y,
-                      int64_t ldy, int64_t K, int64_t N, bool acc) {
-  if constexpr (Max > 1)
-    if (rows < Max) return gemm_tail<Max - 1>(rows, x, xm, xk, w, ldw, y, ldy, K, N, acc);
-  gemm_rows<Max>(x, xm, xk, w, ldw, y, ldy, K, N, acc);
-}
-
 static void gemm(const float* x, int64_t xm, int64_t xk, const float* w, int64_t ldw, float* y, int64_t ldy,
                  int64_t M, int64_t K, int64_t N, bool acc) {
   int64_t m = 0;
   for (; m + kRowsPer <= M; m += kRowsPer) gemm_rows<kRowsPer>(x + m * xm, xm, xk, w, ldw, y + m * ldy, ldy, K, N, acc);
-  if (m < M) gemm_tail<kRowsPer - 1>(M - m, x + m * xm, xm, xk, w, ldw, y + m * ldy, ldy, K, N, acc);
+  if (m < M)
+    with_rows<kRowsPer - 1>(M - m, [&](auto rows) {
+      gemm_rows<rows()>(x + m * xm, xm, xk, w, ldw, y + m * ldy, ldy, K, N, acc);
+    });
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -306,11 +286,11 @@ static ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   float* dvp = dv->typed_data();
   in_parallel(pool, threads_for(pool), d.B * d.Hkv, [&](int64_t item) {
     const int64_t b = item / d.Hkv, kh = item % d.Hkv, rows = d.block * d.G;
-    Scratch keys(d.T * d.hd), kt(d.hd * d.T), vals(d.T * d.hd), vt(d.hd * d.T), qr(rows * d.hd), dor(rows * d.hd),
-        orow(rows * d.hd), p(rows * d.T), ds(rows * d.T), dqr(rows * d.hd), delta(rows);
+    Scratch keys(d.T * d.hd), kt(d.hd * d.T), vt(d.hd * d.T), qr(rows * d.hd), dor(rows * d.hd), orow(rows * d.hd),
+        p(rows * d.T), ds(rows * d.T), dqr(rows * d.hd), delta(rows);
     std::vector<float> dkacc(d.T * d.hd, 0.f), dvacc(d.T * d.hd, 0.f);
     pack_heads(kp, d, b, kh, keys.data(), kt.data());
-    pack_heads(vp, d, b, kh, vals.data(), vt.data());
+    pack_heads(vp, d, b, kh, nullptr, vt.data());  // V only as columns: dP = dO V^T
     for (int64_t a = 0; a < d.T; a += d.block) {
       const int64_t e = std::min(d.T, a + d.block), R = (e - a) * d.G;
       gather_rows(qp, d, b, kh, a, e, qr.data());

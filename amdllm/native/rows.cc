@@ -26,11 +26,11 @@
 #include <immintrin.h>
 
 #include "pool.h"
+#include "vec.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
-using amdllm_native::helpers;
-using amdllm_native::in_parallel;
+using namespace amdllm_native;  // pool.h, vec.h
 
 constexpr int64_t kMaxRows = 64;  // amdllm/native/__init__.py MAX_ROWS
 constexpr int64_t kSubBand = 16;  // rows of W that kn_any's groups of x rows share (256 KB at N = 8192: L2)
@@ -69,15 +69,6 @@ static void kn_chain(const float* x, const uint16_t* w, float* y, int64_t K, int
     for (int m = 0; m < M; ++m)
       for (int64_t j = 0; j < N; ++j) y[m * N + j] += x[m * K + k] * widen(r[j]);
   }
-}
-
-// f(std::integral_constant<int, m>) for the m (1 <= m <= Max) given at run time: a kernel templated on its
-// number of rows, chosen per call.
-template <int Max, class F>
-static void with_rows(int64_t m, F&& f) {
-  if constexpr (Max > 1)
-    if (m < Max) return with_rows<Max - 1>(m, f);
-  f(std::integral_constant<int, Max>{});
 }
 
 // f(rows, g) for the M rows of x in groups of up to G: rows (an integral_constant) in the group at row g.
@@ -249,33 +240,12 @@ AMDLLM_ROWS_HANDLER(Bf16RowsNk, RowsNk, ffi::U16)
 // the following pass reads. Each band sums into its own [M, N], added up in band order afterwards: the
 // same numbers whichever thread ran which band.
 #if defined(__AVX512F__)
-constexpr int kLanes = 16;
 constexpr int kVecs = 3;  // 8 rows x 3 vectors: 24 of the 32 zmm registers hold sums
 #else
-constexpr int kLanes = 8;
 constexpr int kVecs = 1;  // 8 rows x 1 vector: half of AVX2's 16 ymm registers
 #endif
 constexpr int64_t kF32MaxRows = 8;  // amdllm/native/__init__.py F32_MAX_ROWS
 constexpr int64_t kSub = 16;        // rows of W per pass over the columns
-typedef float vf __attribute__((vector_size(kLanes * 4)));
-
-static inline vf load_v(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-static inline void store_v(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-
-static inline vf broadcast(float f) {
-#if defined(__AVX512F__)
-  return vf(_mm512_set1_ps(f));
-#elif defined(__AVX__)
-  return vf(_mm256_set1_ps(f));
-#else
-  return vf{} + f;
-#endif
-}
 
 // y[M, j:j + C * kLanes] (+)= x[M, k0:k1] . W[k0:k1, j:j + C * kLanes] (k1 - k0 <= kSub); = where `first`.
 // With `ahead`, the same columns of the next kSub rows are prefetched.
@@ -292,7 +262,7 @@ static inline void f32_block(const float* x, const float* w, float* y, int64_t K
     if (ahead)
       for (int c = 0; c < C; ++c) __builtin_prefetch(r + kSub * N + c * kLanes);
     for (int m = 0; m < M; ++m) {
-      const vf xv = broadcast(x[m * K + k]);
+      const vf xv = splat(x[m * K + k]);
       for (int c = 0; c < C; ++c) acc[m][c] += xv * wv[c];
     }
   }
