@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import run_rounds, summarize, table, write_json  # noqa: E402
+from common import best_peer, child_plan, run_rounds, summarize, table, write_json  # noqa: E402
 
 SHAPE = dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
              num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
@@ -139,8 +139,11 @@ def write_checkpoint(path: Path, args) -> None:
 
 
 def make_row(name: str, runs: dict[str, list[dict]], tokens: int, target: float | None) -> dict:
-    """Per side: tokens / the median over runs of each run's median seconds, and the spread over runs."""
-    per_run = {side: [statistics.median(r[name]["seconds"]) for r in runs[side]] for side in SIDES}
+    """Per side: tokens / the median over runs of each run's median seconds, and the spread over runs; the
+    transformers side in its fastest environment for this row (`common.child_plan`)."""
+    peer = best_peer(runs, "transformers", lambda r: statistics.median(r[name]["seconds"]))
+    per_run = {side: [statistics.median(r[name]["seconds"]) for r in runs[label]]
+               for side, label in (("amdllm", "amdllm"), ("transformers", peer))}
     stats = {side: summarize(secs) for side, secs in per_run.items()}
     tps = {side: tokens / s["median"] for side, s in stats.items()}
     return {"what": name, "amdllm_tok_s": tps["amdllm"], "transformers_tok_s": tps["transformers"],
@@ -149,11 +152,15 @@ def make_row(name: str, runs: dict[str, list[dict]], tokens: int, target: float 
             "amdllm_spread_pct": stats["amdllm"]["spread_pct"],
             "transformers_spread_pct": stats["transformers"]["spread_pct"],
             "ratio_per_round": [t / a for a, t in zip(per_run["amdllm"], per_run["transformers"])],
+            "transformers_environment": peer,
+            "transformers_tok_s_by_environment": {
+                label: tokens / statistics.median(statistics.median(r[name]["seconds"]) for r in rs)
+                for label, rs in runs.items() if label != "amdllm"},
             "target": target}
 
 
 def make_checks(runs: dict[str, list[dict]], names: list[str], ckpt: Path) -> dict:
-    last = {side: rs[-1] for side, rs in runs.items()}
+    last = {side: runs[side if side in runs else next(k for k in runs if k.startswith(side))][-1] for side in SIDES}
     checks = {f"{n.replace('decode ', '').replace(' ', '')}_same_tokens":
               last["amdllm"][n]["tokens"] == last["transformers"][n]["tokens"] for n in names}
     ours, theirs = (np.load(logits_path(str(ckpt), side)) for side in SIDES)
@@ -183,7 +190,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(tmp) / "ckpt"
         write_checkpoint(ckpt, args)
-        runs = run_rounds(__file__, SIDES, args.runs, argv, str(ckpt))
+        runs = run_rounds(__file__, child_plan("amdllm", "transformers", "generate"), args.runs, argv, str(ckpt))
         names = [f"decode batch {b}" for b in batch_sizes(args)]
         checks = make_checks(runs, names, ckpt)
     rows = [make_row(n, runs, b * args.new_tokens, 2.0) for n, b in zip(names, batch_sizes(args))]
@@ -191,7 +198,8 @@ def main() -> None:
     print(table(rows, ["what", "amdllm_tok_s", "transformers_tok_s", "ratio", "amdllm_spread_pct",
                        "transformers_spread_pct", "target"]))
     for r in rows:
-        print(f"{r['what']}: ratio per round {', '.join(f'{x:.2f}' for x in r['ratio_per_round'])}")
+        print(f"{r['what']}: ratio per round {', '.join(f'{x:.2f}' for x in r['ratio_per_round'])}; "
+              f"transformers in {r['transformers_environment']}")
     print("checks:", checks)
     write_json({"shape": shape(args), "prompt_len": PROMPT_LEN, "new_tokens": args.new_tokens, "runs": args.runs,
                 "repeats": args.repeats, "method": "each side in its own process, alternating; per side the median "

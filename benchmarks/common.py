@@ -101,29 +101,72 @@ def alternate(sides: dict, repeats: int, warmup: int = 1) -> dict[str, dict]:
     return {name: summarize(ts) for name, ts in times.items()}
 
 
-def run_child(script: str, side: str, argv: list[str], *extra: str) -> dict:
-    """`script` again in a fresh process with the parent's flags, `--child side` and `extra`; its last stdout
-    line (JSON) is the result. A failed child stops the benchmark with its stderr's tail."""
+def run_child(script: str, side: str, argv: list[str], *extra: str, env: dict | None = None) -> dict:
+    """`script` again in a fresh process with the parent's flags, `--child side` and `extra` (in `env`, default
+    the parent's environment); its last stdout line (JSON) is the result. A failed child stops the benchmark
+    with its stderr's tail."""
     proc = subprocess.run([sys.executable, str(Path(script).resolve()), *argv, "--child", side, *extra],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-4000:])
         raise SystemExit(f"{Path(script).stem}: the {side} process failed (exit {proc.returncode})")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def run_rounds(script: str, sides: tuple[str, ...], runs: int, argv: list[str], *extra: str,
+def run_rounds(script: str, plan, runs: int, argv: list[str], *extra: str,
                describe=lambda r: "done") -> dict[str, list[dict]]:
-    """`runs` rounds of one child process per side, in order (amdllm, peer, amdllm, ...), so that a load
-    change on a shared machine hits both sides -> {side: [each process's result]}; describe(result) is
-    printed to stderr after each process."""
-    results = {side: [] for side in sides}
+    """`runs` rounds of one child process per entry of `plan`, in order (amdllm, peer, amdllm, ...), so that a
+    load change on a shared machine hits every side -> {label: [each process's result]}. `plan` lists sides
+    (names) or (label, side, env) triples (`child_plan`: one side in several environments). describe(result)
+    is printed to stderr after each process."""
+    plan = [(p, p, None) if isinstance(p, str) else p for p in plan]
+    results = {label: [] for label, _, _ in plan}
     for i in range(runs):
-        for side in sides:
-            r = run_child(script, side, argv, *extra)
-            results[side].append(r)
-            print(f"round {i + 1}/{runs} {side}: {describe(r)}", file=sys.stderr, flush=True)
+        for label, side, env in plan:
+            r = run_child(script, side, argv, *extra, env=env)
+            results[label].append(r)
+            print(f"round {i + 1}/{runs} {label}: {describe(r)}", file=sys.stderr, flush=True)
     return results
+
+
+TUNABLES = "GLIBC_TUNABLES"
+
+
+def with_tunables(environ, tunables: str | None) -> dict:
+    """`environ` with GLIBC_TUNABLES set to `tunables` (None or "": unset)."""
+    env = {k: v for k, v in environ.items() if k != TUNABLES}
+    return {**env, TUNABLES: tunables} if tunables else env
+
+
+def child_plan(ours: str, peer: str, command: str, environ=None) -> list[tuple[str, str, dict]]:
+    """Who runs in which environment: (label, side, env) for `run_rounds`.
+
+    Our side runs in the environment the `amdllm <command>` gives itself (`amdllm.env.malloc_env`: glibc
+    malloc tunables, re-executing itself), so the benchmark times what a user of the command gets. The
+    peer runs in each distinct GLIBC_TUNABLES among: none (what a user of the peer has), the parent's
+    (`make bench` sets glibc.malloc.hugetlb=1), and ours; a report takes the peer's fastest (`best_peer`).
+    Why: one environment for both sides is no fair default. On a 2-core Zen 4 VM, hugetlb=1 made
+    PyTorch's LoRA step erratic and slower (1.7-2.7 s against 1.76-1.85 s unset), while the kept heap of
+    `amdllm finetune` made it faster (1.68-1.76 s): docs/benchmark-history.md, "the peer's environment"."""
+    from amdllm.env import malloc_env
+    environ = dict(os.environ if environ is None else environ)
+    env_ours = malloc_env(environ, command) or environ
+    plan, seen = [(ours, ours, env_ours)], set()
+    for tunables in ("", environ.get(TUNABLES, ""), env_ours.get(TUNABLES, "")):
+        if tunables not in seen:
+            seen.add(tunables)
+            plan.append((peer_label(peer, tunables), peer, with_tunables(environ, tunables)))
+    return plan
+
+
+def peer_label(peer: str, tunables: str) -> str:
+    return f"{peer} [{TUNABLES}={tunables}]" if tunables else f"{peer} [{TUNABLES} unset]"
+
+
+def best_peer(runs: dict[str, list[dict]], peer: str, seconds) -> str:
+    """The label of the peer's environment with the lowest median over its runs of seconds(result)."""
+    labels = [k for k in runs if k == peer or k.startswith(peer + " [")]
+    return min(labels, key=lambda k: statistics.median(seconds(r) for r in runs[k]))
 
 
 def write_json(result: dict, out: str | os.PathLike | None, name: str) -> Path | None:

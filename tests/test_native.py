@@ -3,6 +3,8 @@ weights, forward and backward; a bf16 decode step runs it on per-layer views and
 decoding a bf16 checkpoint this way agrees with transformers in bfloat16; the float32 one's products equal
 XLA's, forward and backward, and a float32 decode step runs every projection and the head through it;
 `--dtype auto` picks what it documents; and a kernel that cannot be built costs a warning, not a failure.
+The training loss's kernel (cross_entropy.cc) equals XLA's loss and gradient, and a float32 LoRA step runs
+it and the attention kernel and equals the step without them.
 (Greedy float32 decoding against transformers, which now runs the float32 kernel: tests/test_generate.py.)"""
 from __future__ import annotations
 
@@ -231,9 +233,31 @@ def test_the_engine_holds_a_bf16_cache_as_bits_and_decodes_as_generate(bf16_ckpt
     assert [got[i]["token_ids"] for i in range(3)] == want
 
 
-def test_the_float32_lora_step_runs_attention_in_the_kernel(monkeypatch):
+@pytest.mark.parametrize("N,V", [(1, 7), (13, 100), (64, 1000), (8, 8192)])
+def test_token_nll_equals_xla(N, V):
+    """cross_entropy.cc's loss and gradient equal `loss.token_nll`'s (XLA) to float32 rounding: rows and
+    vocabularies that are not multiples of the vector width or the chunk, targets at both ends of the
+    vocabulary, logits far from 0 (the row max is subtracted), a weighted sum as the cotangent."""
+    from amdllm.model.loss import token_nll
+    rng = np.random.default_rng(N * V)
+    logits = jnp.asarray(rng.standard_normal((N, V)) * 20 + 50, jnp.float32)
+    targets = rng.integers(0, V, (N,))
+    targets[0], targets[-1] = 0, V - 1
+    targets = jnp.asarray(targets, jnp.int32)
+    w = jnp.asarray(rng.random(N), jnp.float32)
+    got, want = (jax.jit(jax.value_and_grad(lambda x, f=f: jnp.sum(f(x, targets) * w)))(logits)
+                 for f in (native.token_nll, token_nll))
+    np.testing.assert_allclose(np.asarray(native.token_nll(logits, targets)), np.asarray(token_nll(logits, targets)),
+                               rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), atol=1e-6)
+    assert np.allclose(np.asarray(got[1]).sum(-1), 0.0, atol=1e-5)  # softmax - onehot sums to 0 in a row
+
+
+def test_the_float32_lora_step_runs_attention_and_the_loss_in_the_kernels(monkeypatch):
     """A float32 LoRA step on the CPU calls attention.cc forward and backward (one each, inside the layer
-    scan), and its loss, gradient norm and updated LoRA weights equal the XLA attention's step."""
+    scan) and cross_entropy.cc forward and backward, and its loss, gradient norm and updated LoRA weights
+    equal the step that runs both in XLA."""
     from flax import nnx
 
     from amdllm import train
@@ -249,15 +273,19 @@ def test_the_float32_lora_step_runs_attention_in_the_kernel(monkeypatch):
              "weights": jnp.asarray(seg != 0, jnp.float32), "segment_ids": jnp.asarray(seg),
              "positions": jnp.asarray(np.broadcast_to(np.arange(32), (1, 2, 32)))}
     out = {}
+    kernels = {"native": ["amdllm_attention_bwd", "amdllm_attention_fwd", "amdllm_cross_entropy_bwd",
+                          "amdllm_cross_entropy_fwd"], "blocked": []}
+    real = native.cross_entropy_available
     for impl in ("native", "blocked"):
         monkeypatch.setenv("AMDLLM_ATTENTION", impl)
+        monkeypatch.setattr(native, "cross_entropy_available", real if impl == "native" else lambda: False)
         lo, frozen = train.split_params(model)
         opt, _ = train.make_optimizer(train.TrainConfig(steps=10, lr=1e-2, warmup=0))
         step = train.make_train_step(model, opt)
         state = opt.init(lo)
         hlo = step.lower(lo, state, frozen, batch, jax.random.key(0)).compile().as_text()
-        calls = re.findall(r'custom_call_target="(amdllm_attention_\w+)"', hlo)
-        assert sorted(calls) == (["amdllm_attention_bwd", "amdllm_attention_fwd"] if impl == "native" else []), calls
+        calls = re.findall(r'custom_call_target="(amdllm_(?:attention|cross_entropy)_\w+)"', hlo)
+        assert sorted(calls) == kernels[impl], calls
         out[impl] = step(jax.tree.map(jnp.copy, lo), jax.tree.map(jnp.copy, state), frozen, batch,
                          jax.random.key(0))  # copies: the step donates them
     (lo_n, _, m_n), (lo_b, _, m_b) = out["native"], out["blocked"]

@@ -28,6 +28,11 @@
   shape, 2-core AMD EPYC Zen 4: a layer's forward and backward 15-18 ms against 45-52 ms;
   docs/benchmark-history.md, "native attention"). `cached_attention`: the same over a decode step's
   head-major cache, forward only (`amdllm.model.fast.native_cached_attention`).
+* `cross_entropy.cc`, `token_nll`: the training loss, -log softmax(logits)[target] per position, forward and
+  backward, in float32 (`amdllm.model.loss.nll_for`). XLA:CPU wrote exp(logits - max) to memory in the
+  forward only to sum it; here each row is read while in cache and the backward writes the gradient in one
+  pass (31M benchmark step: the loss and its gradient over [2048, 8192] logits, 2-core AMD EPYC Zen 4;
+  docs/benchmark-history.md, "the peer's environment").
 
 `amdllm.model.narrow` and `amdllm.model.fast` decide where each runs. Each library is compiled on first use
 with the host's C++ compiler (`$CXX`, else g++ or c++; about 5 s, once per machine) into `$AMDLLM_CACHE/native` (default
@@ -59,6 +64,7 @@ from amdllm.cpu import cpu_flags
 SOURCE = Path(__file__).with_name("rows.cc")
 TILES_SOURCE = Path(__file__).with_name("bf16_tiles.cc")
 ATTENTION_SOURCE = Path(__file__).with_name("attention.cc")
+CROSS_ENTROPY_SOURCE = Path(__file__).with_name("cross_entropy.cc")
 HEADERS = (Path(__file__).with_name("pool.h"), Path(__file__).with_name("vec.h"))  # included by every source
 MAX_ROWS = 64  # rows.cc kMaxRows: the most rows of x `rows_times` takes
 F32_MAX_ROWS = 8  # rows.cc kF32MaxRows: the most rows of x `f32_rows_times` takes
@@ -71,6 +77,7 @@ TILES_SYMBOLS = {"amx": {False: "Bf16TilesKn", True: "Bf16TilesNk"},
 AMX_FLAGS = ("amx_tile", "amx_bf16")  # /proc/cpuinfo
 TILES_FLAGS = {"amx": AMX_FLAGS, "avx512_bf16": ("avx512bw", "avx512_bf16")}  # each kind's, the faster first
 ATTENTION_TARGETS = ("amdllm_attention_fwd", "amdllm_attention_bwd", "amdllm_attention_cached")
+CROSS_ENTROPY_TARGETS = ("amdllm_cross_entropy_fwd", "amdllm_cross_entropy_bwd")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 
 
@@ -262,21 +269,28 @@ f32_rows_times.defvjp(lambda x2, w: (_f32_call(x2, w), (x2, w)), _f32_rows_times
 # --------------------------------------------------------------------------------------------------
 # attention.cc: causal grouped-query attention, forward and backward
 # --------------------------------------------------------------------------------------------------
+def _register(source: Path, names, symbols, off: str) -> bool:
+    """Build `source` and register its FFI handlers `symbols` as targets `names`; False with one warning
+    (`off`: what runs instead) where that fails."""
+    if _off():
+        return False
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(build(source)))
+        for name, symbol in zip(names, symbols):
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    except (RuntimeError, OSError, AttributeError) as e:
+        warnings.warn(f"amdllm.native: the {source.stem.replace('_', '-')} kernel is off ({e}); {off}. "
+                      "AMDLLM_NATIVE=0 silences this.", RuntimeWarning, stacklevel=3)
+        return False
+    return True
+
+
 @functools.cache
 def attention_available() -> bool:
     """Whether `causal_attention` runs here (`available()`'s conditions, for `attention.cc`; a warning says why
     not, once)."""
-    if _off():
-        return False
-    try:
-        lib = ctypes.cdll.LoadLibrary(str(build(ATTENTION_SOURCE)))
-        for name, symbol in zip(ATTENTION_TARGETS, ("AttentionFwd", "AttentionBwd", "AttentionCached")):
-            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
-    except (RuntimeError, OSError, AttributeError) as e:
-        warnings.warn(f"amdllm.native: the attention kernel is off ({e}); training's attention runs in XLA "
-                      "(slower). AMDLLM_NATIVE=0 silences this.", RuntimeWarning, stacklevel=2)
-        return False
-    return True
+    return _register(ATTENTION_SOURCE, ATTENTION_TARGETS, ("AttentionFwd", "AttentionBwd", "AttentionCached"),
+                     "training's attention runs in XLA (slower)")
 
 
 def _attention_fwd_call(q, k, v, mask, scale, block):
@@ -323,3 +337,43 @@ def cached_attention(q, k, v, mask, scale: float):
         raise RuntimeError("amdllm.native: the attention kernel is not available here (its warning says why)")
     return jax.ffi.ffi_call(ATTENTION_TARGETS[2], jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")(
         q, k, v, mask.astype(jnp.bool_), scale=np.float32(scale))
+
+
+# --------------------------------------------------------------------------------------------------
+# cross_entropy.cc: token cross-entropy, forward and backward
+# --------------------------------------------------------------------------------------------------
+@functools.cache
+def cross_entropy_available() -> bool:
+    """Whether `token_nll` runs here (`available()`'s conditions, for `cross_entropy.cc`; a warning says why
+    not, once)."""
+    return _register(CROSS_ENTROPY_SOURCE, CROSS_ENTROPY_TARGETS, ("CrossEntropyFwd", "CrossEntropyBwd"),
+                     "the training loss runs in XLA (slower)")
+
+
+def _token_nll_fwd(logits, targets):
+    if not cross_entropy_available():
+        raise RuntimeError("amdllm.native: the cross-entropy kernel is not available here (its warning says why)")
+    lead, V = logits.shape[:-1], logits.shape[-1]
+    x, t = logits.reshape(-1, V), targets.reshape(-1).astype(jnp.int32)
+    row = jax.ShapeDtypeStruct(t.shape, jnp.float32)
+    nll, lse = jax.ffi.ffi_call(CROSS_ENTROPY_TARGETS[0], (row, row), vmap_method="sequential")(x, t)
+    return nll.reshape(lead), (x, t, lse)
+
+
+@jax.custom_vjp
+def token_nll(logits, targets):
+    """-log softmax(logits)[target] per position, for float32 logits [..., V] and int targets [...] in [0, V),
+    in `cross_entropy.cc` -> [...] float32. Differentiable in the logits. Where the kernel is not
+    `cross_entropy_available()`, a RuntimeError."""
+    return _token_nll_fwd(logits, targets)[0]
+
+
+def _token_nll_bwd(res, g):
+    x, t, lse = res
+    grad = jax.ffi.ffi_call(CROSS_ENTROPY_TARGETS[1], jax.ShapeDtypeStruct(x.shape, jnp.float32),
+                            vmap_method="sequential", input_output_aliases={0: 0})(
+        x, t, lse, g.reshape(-1).astype(jnp.float32))
+    return grad.reshape(*g.shape, x.shape[-1]), None
+
+
+token_nll.defvjp(_token_nll_fwd, _token_nll_bwd)

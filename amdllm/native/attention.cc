@@ -89,39 +89,6 @@ static void gemm(const float* x, int64_t xm, int64_t xk, const float* w, int64_t
     });
 }
 
-// ---------------------------------------------------------------------------------------------------------
-// exp(x) for a vector, x <= 0 here (a score minus its row's max); below -87.3 (2^-126) it is 0. Cephes'
-// expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-7 polynomial for exp(r), times 2^n. About 1 ulp.
-static inline vf vexp(vf x) {
-  const vf lo = splat(-87.33654f);
-  const vi under = x < lo;
-  x = under ? lo : x;
-  const vf n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest (0x1.8p23)
-  const vf r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-  vf p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-  const vf y = p * (vf)bits;
-  return under ? vf{} : y;
-}
-
-static inline float hmax(vf v) {
-  float m = v[0];
-  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
-  return m;
-}
-
-static inline float hsum(vf v) {
-  float s = 0.f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
-}
-
 // row[s] = mask[s] ? row[s] * scale : kMasked for s < n (a score row, scaled and masked in place).
 typedef int8_t vb __attribute__((vector_size(kLanes)));
 

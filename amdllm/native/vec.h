@@ -1,8 +1,9 @@
 // Float32 vectors of the build's width (GCC vector extensions: 16 lanes with AVX-512, 8 otherwise; -O3
-// -march=native turns their arithmetic into the CPU's vector instructions), and `with_rows`, for the
-// kernels in this folder.
+// -march=native turns their arithmetic into the CPU's vector instructions), their exp and horizontal max
+// and sum, and `with_rows`, for the kernels in this folder.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -34,6 +35,38 @@ void with_rows(int64_t m, F&& f) {
   if constexpr (Max > 1)
     if (m < Max) return with_rows<Max - 1>(m, f);
   f(std::integral_constant<int, Max>{});
+}
+
+// exp(x) for a vector, x <= 0 (a score or a logit minus its row's max); below -87.3 (2^-126) it is 0. Cephes'
+// expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-7 polynomial for exp(r), times 2^n. About 1 ulp.
+inline vf vexp(vf x) {
+  const vf lo = splat(-87.33654f);
+  const vi under = x < lo;
+  x = under ? lo : x;
+  const vf n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest (0x1.8p23)
+  const vf r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  const vf y = p * (vf)bits;
+  return under ? vf{} : y;
+}
+
+inline float hmax(vf v) {
+  float m = v[0];
+  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+inline float hsum(vf v) {
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
 }
 
 }  // namespace amdllm_native

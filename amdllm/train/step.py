@@ -27,7 +27,8 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from amdllm.model import Llama, LoRAParam, forward, to_pure, token_nll
+from amdllm.model import Llama, LoRAParam, forward, to_pure
+from amdllm.model.loss import nll_for
 from amdllm.cpu import cpu_compiler_options
 import amdllm.parallel.plan as plan
 from amdllm.parallel.sharding import batch_sharding, put
@@ -109,10 +110,11 @@ def top_and_layers(trained, frozen, full: bool = False) -> tuple[dict, dict]:
 def loss_sums(trained, frozen, batch, rng, *, model: Llama, full: bool = False):
     """(sum of weighted token NLL, sum of weights) for one micro-batch; batch leaves [B, T]."""
     top, layers = top_and_layers(trained, frozen, full)
+    run = model.run()
     logits, _ = forward(model.cfg, top, layers, batch["tokens"], positions=batch["positions"],
-                        segment_ids=batch["segment_ids"], run=model.run(),
+                        segment_ids=batch["segment_ids"], run=run,
                         dropout_rng=rng if model.lora_dropout > 0 else None)  # [B, T, V] float32
-    nll = token_nll(logits, batch["targets"])  # [B, T]; its backward is one pass over [B, T, V]
+    nll = nll_for(run)(logits, batch["targets"])  # [B, T]; its backward is one pass over [B, T, V]
     w = batch["weights"].astype(jnp.float32)
     return jnp.sum(nll * w), jnp.sum(w)
 
