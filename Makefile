@@ -12,7 +12,8 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 # glibc malloc asks for transparent huge pages on the large blocks it maps (glibc >= 2.35; ignored elsewhere):
 # XLA:CPU allocates a step's ~1 GB of temporaries afresh every step, and faulting them in 4 KB pages cost
-# ~1 s of kernel time per LoRA step of benchmarks/bench_lora.py (PyTorch gains too). README: "CPU speed".
+# ~1 s of kernel time per LoRA step of benchmarks/bench_lora.py. The benchmarks run the peer in this and
+# other environments and compare with its fastest (benchmarks/common.py, child_plan). README: "CPU speed".
 export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 
 .PHONY: install test course lab bench model notebooks-clean clean help

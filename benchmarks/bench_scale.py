@@ -12,7 +12,8 @@ use only the first rows of the vocabulary; tokenization is not what is measured)
   quantize            `amdllm quantize` 4-bit g128, 16 x 256 calibration   vs GPTQModel (when installed)
   finetune            `amdllm finetune`, 4 steps, batch 1 x 256, r8, at its default (the checkpoint's bf16) and
                       in float32     vs peft + torch AdamW in its faster dtype here (both are run where the
-                      CPU has bf16 instructions; float32 alone where it has not: PyTorch's bf16 is slow there)
+                      CPU has bf16 instructions; float32 alone where it has not: PyTorch's bf16 is slow there),
+                      then that dtype also with GLIBC_TUNABLES unset and with finetune's kept heap: its fastest
   serve               `amdllm serve` (auto, float32) start, then warm chat requests of 1 and 33 tokens: the time
                       per decoded token is their difference over 32 (compare generate's)   (no peer)
   convert             `amdllm convert` to float16    vs transformers from_pretrained + save_pretrained
@@ -43,6 +44,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import table, write_json  # noqa: E402
+from amdllm.env import HEAP_KEPT  # noqa: E402
 
 LLAMA32_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                   num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
@@ -113,8 +115,11 @@ print(json.dumps({"rc": p.returncode, "wall_s": round(wall, 1), "cpu_s": round(r
 
 
 def measured(argv: list[str], env: dict | None = None) -> dict:
-    """Run argv in its own process (through a fresh wrapper): {rc, wall_s, cpu_s, peak_rss_gb, stdout, stderr}."""
+    """Run argv in its own process (through a fresh wrapper): {rc, wall_s, cpu_s, peak_rss_gb, stdout, stderr}.
+    env: variables to set over this process's (GLIBC_TUNABLES=glibc.malloc.hugetlb=1 unless given; a value of
+    None removes the variable)."""
     env = {**os.environ, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1", **(env or {})}
+    env = {k: v for k, v in env.items() if v is not None}
     p = subprocess.run([sys.executable, "-c", MEASURE, *argv], capture_output=True, text=True, env=env)
     r = json.loads(p.stdout.strip().splitlines()[-1])
     if r["rc"] != 0:
@@ -404,9 +409,20 @@ def main(argv=None) -> int:
         peers = {pdt: measured(me + ["finetune", str(ck), str(data), pdt]) for pdt in pdts}
         med = {d: sorted(last_json(p["stdout"]).get("step_seconds", [1e9]))[2] for d, p in peers.items()}
         peer_dt = min(med, key=med.get)  # peft's faster dtype on this CPU
-        peer = peers[peer_dt]
+        # and its faster environment, as bench_lora (common.child_plan): GLIBC_TUNABLES unset, and the kept
+        # heap `amdllm finetune` gives itself (on the 31M shape PyTorch ran fastest with it)
+        kept = "glibc.malloc.hugetlb=1:" + ":".join(f"{k}={v}" for k, v in HEAP_KEPT.items())
+        envs = {"hugetlb=1": None, "unset": {"GLIBC_TUNABLES": None}, "finetune's": {"GLIBC_TUNABLES": kept}}
+        by_env = {"hugetlb=1": peers[peer_dt]}
+        by_env.update({name: measured(me + ["finetune", str(ck), str(data), peer_dt], env=e)
+                       for name, e in envs.items() if e is not None})
+        env_med = {n: sorted(last_json(p["stdout"]).get("step_seconds", [1e9]))[2] for n, p in by_env.items()}
+        peer_env = min(env_med, key=env_med.get)
         peft_steps = ", ".join(f"{'bf16' if d == 'bfloat16' else d} {med[d]:.2f} s ({peers[d]['peak_rss_gb']} GB)"
                                for d in pdts) + ("" if len(pdts) > 1 else "; bf16 not run: no bf16 instructions")
+        peer, med[peer_dt] = by_env[peer_env], env_med[peer_env]
+        peft_steps += (f"; {peer_dt} with GLIBC_TUNABLES " + ", ".join(
+            f"{n} {env_med[n]:.2f} s ({by_env[n]['peak_rss_gb']} GB)" for n in by_env) + f": {peer_env} taken")
         for dt in ("auto", "float32"):  # auto: the checkpoint's bfloat16 (the default)
             shutil.rmtree(f, ignore_errors=True)
             ours = measured(amdllm("finetune", "--model", str(ck), "--data", str(data), "--out", str(f), "--steps",
