@@ -137,8 +137,9 @@ def malloc_env(environ, command: str | None = None) -> dict | None:
 
     * glibc.malloc.hugetlb=1, every command, where glibc >= 2.35 and THP is "madvise" or "always": XLA:CPU
       allocates a training step's temporaries afresh every step; faulting them in 4 KB pages cost ~1 s of
-      kernel time per 3.5 s step (the benchmark LoRA step, 0.96x PEFT without, 1.07x with; README, "CPU
-      speed on Linux").
+      kernel time per 3.5 s step (the benchmark LoRA step on an older machine and code, both sides in the
+      same environment: 0.96x PEFT without, 1.07x with; README, "CPU speed on Linux"). PyTorch does not
+      always gain: the benchmarks run the peer in several environments (benchmarks/common.py).
     * HEAP_KEPT (mmap_max=0, a 64 GiB trim threshold), `finetune` (TRAINING_COMMANDS), glibc >= 2.26:
       malloc maps every block over 32 MB (its largest mmap threshold) afresh and unmaps it on free, so
       each step faults its large temporaries in again (the 1B step: a [256, 128256] float32 logits
