@@ -7,7 +7,8 @@ use only the first rows of the vocabulary; tokenization is not what is measured)
 
   eval bf16 / fp32    `amdllm eval --dtype D`        vs transformers, the same protocol (docs/cli.md)
   generate            `amdllm generate`, 64 tokens, at its default (--dtype auto) and in float32   vs
-                      transformers' greedy `generate` in its faster dtype here (both are run); steady decode
+                      transformers' greedy `generate` in its faster dtype here (both are run, each with
+                      GLIBC_TUNABLES=glibc.malloc.hugetlb=1 and unset: its fastest is taken); steady decode
                       rates, prefill excluded on both sides; --rounds interleaved rounds, each side's best
   quantize            `amdllm quantize` 4-bit g128, 16 x 256 calibration   vs GPTQModel (when installed)
   finetune            `amdllm finetune`, 4 steps, batch 1 x 256, r8, at its default (the checkpoint's bf16) and
@@ -345,9 +346,13 @@ def main(argv=None) -> int:
         # run interleaved, a.rounds times each, and each side's best round is compared (every round's rate
         # is in the note); RSS is the largest of its rounds
         runs = {}  # (side, dtype) -> [measured process]
+        # transformers' faster dtype depends on the CPU (bf16 instructions), and its faster glibc environment
+        # on the machine: each runs with hugetlb=1 (amdllm generate's own) and with GLIBC_TUNABLES unset
+        peer_envs = {"": None, " unset": {"GLIBC_TUNABLES": None}}
         for _ in range(a.rounds):
-            for pdt in ("bfloat16", "float32"):  # transformers' faster dtype depends on the CPU (bf16 instructions)
-                runs.setdefault(("peer", pdt), []).append(measured(me + ["generate", str(ck), pdt]))
+            for pdt in ("bfloat16", "float32"):
+                for name, e in peer_envs.items():
+                    runs.setdefault(("peer", pdt + name), []).append(measured(me + ["generate", str(ck), pdt], env=e))
             for dt in ("auto", "float32"):  # auto: amdllm's default (it says what it chose)
                 runs.setdefault(("ours", dt), []).append(measured(amdllm(
                     "generate", "--model", str(ck), "--prompt", PROMPT, "--max-new-tokens", "64", "--dtype", dt,
@@ -363,9 +368,10 @@ def main(argv=None) -> int:
             p, o = done[rates.index(max(rates))]
             return {**p, "peak_rss_gb": max(q["peak_rss_gb"] for q, _ in done)}, o, rates
 
-        peers = {pdt: best_of(("peer", pdt), "steady_tokens_per_second") for pdt in ("bfloat16", "float32")}
+        peers = {k: best_of(("peer", k), "steady_tokens_per_second")
+                 for k in (pdt + name for pdt in ("bfloat16", "float32") for name in peer_envs)}
         rate = {d: peers[d][1].get("steady_tokens_per_second", 0) for d in peers}
-        best = max(rate, key=rate.get)
+        best = max(rate, key=rate.get)  # e.g. "bfloat16 unset": bf16 with GLIBC_TUNABLES unset
         peer, t, peer_rates = peers[best]
         for dt in ("auto", "float32"):
             ours, o, our_rates = best_of(("ours", dt), "tokens_per_second")
@@ -375,8 +381,10 @@ def main(argv=None) -> int:
                 f"steady {gen_rate[dt]:.2f} vs {rate[best]:.2f} tok/s, best of {a.rounds} interleaved rounds "
                 f"({gen_rate[dt] / max(rate[best], 1e-9):.2f}x; rounds: amdllm "
                 f"{', '.join(f'{r:.2f}' for r in our_rates)}, transformers {best} "
-                f"{', '.join(f'{r:.2f}' for r in peer_rates)}; transformers bf16 {rate['bfloat16']:.2f}, float32 "
-                f"{rate['float32']:.2f}; its whole call, prefill included: {t.get('tokens_per_second', 0):.2f})",
+                f"{', '.join(f'{r:.2f}' for r in peer_rates)}; transformers "
+                + ", ".join(f"{k} {v:.2f}" for k, v in rate.items())
+                + f" (unset: GLIBC_TUNABLES unset); its whole call, prefill included: "
+                f"{t.get('tokens_per_second', 0):.2f})",
                 ours_bytes=nbytes * (2 if o.get("dtype") == "float32" else 1))
     if "quantize" in only:
         q = work / "gptq4"
