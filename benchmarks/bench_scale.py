@@ -44,8 +44,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import table, write_json  # noqa: E402
-from amdllm.env import HEAP_KEPT  # noqa: E402
+from common import child_plan, table, write_json  # noqa: E402
 
 LLAMA32_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                   num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
@@ -119,13 +118,27 @@ def measured(argv: list[str], env: dict | None = None) -> dict:
     """Run argv in its own process (through a fresh wrapper): {rc, wall_s, cpu_s, peak_rss_gb, stdout, stderr}.
     env: variables to set over this process's (GLIBC_TUNABLES=glibc.malloc.hugetlb=1 unless given; a value of
     None removes the variable)."""
-    env = {**os.environ, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1", **(env or {})}
+    env = {**os.environ, "GLIBC_TUNABLES": HUGETLB_ONLY, **(env or {})}
     env = {k: v for k, v in env.items() if v is not None}
     p = subprocess.run([sys.executable, "-c", MEASURE, *argv], capture_output=True, text=True, env=env)
     r = json.loads(p.stdout.strip().splitlines()[-1])
     if r["rc"] != 0:
         print(f"  FAILED ({r['rc']}): {' '.join(argv[:6])} ...\n{r['stderr'][-1500:]}", file=sys.stderr)
     return r
+
+
+HUGETLB_ONLY = "glibc.malloc.hugetlb=1"  # the GLIBC_TUNABLES `measured` gives a process unless told otherwise
+
+
+def peer_envs(command: str) -> dict[str, dict | None]:
+    """The environments a peer of `amdllm <command>` runs in, as bench_lora's (`common.child_plan`): GLIBC_TUNABLES
+    unset, hugetlb=1, and the command's own -> name ("unset", "hugetlb=1", "<command>'s") -> `measured`'s env."""
+    envs = {}
+    for _, _, env in child_plan("amdllm", "peer", command, {**os.environ, "GLIBC_TUNABLES": HUGETLB_ONLY})[1:]:
+        t = env.get("GLIBC_TUNABLES", "")
+        name = "unset" if not t else "hugetlb=1" if t == HUGETLB_ONLY else f"{command}'s"
+        envs[name] = None if t == HUGETLB_ONLY else {"GLIBC_TUNABLES": t or None}
+    return envs
 
 
 def amdllm(*args) -> list[str]:
@@ -347,11 +360,12 @@ def main(argv=None) -> int:
         # is in the note); RSS is the largest of its rounds
         runs = {}  # (side, dtype) -> [measured process]
         # transformers' faster dtype depends on the CPU (bf16 instructions), and its faster glibc environment
-        # on the machine: each runs with hugetlb=1 (amdllm generate's own) and with GLIBC_TUNABLES unset
-        peer_envs = {"": None, " unset": {"GLIBC_TUNABLES": None}}
+        # on the machine: each dtype runs in each of `peer_envs` (here hugetlb=1, amdllm generate's own, and
+        # GLIBC_TUNABLES unset); "bfloat16" is bf16 with hugetlb=1, "bfloat16 unset" bf16 unset
+        gen_envs = {("" if n == "hugetlb=1" else " " + n): e for n, e in peer_envs("generate").items()}
         for _ in range(a.rounds):
             for pdt in ("bfloat16", "float32"):
-                for name, e in peer_envs.items():
+                for name, e in gen_envs.items():
                     runs.setdefault(("peer", pdt + name), []).append(measured(me + ["generate", str(ck), pdt], env=e))
             for dt in ("auto", "float32"):  # auto: amdllm's default (it says what it chose)
                 runs.setdefault(("ours", dt), []).append(measured(amdllm(
@@ -369,7 +383,7 @@ def main(argv=None) -> int:
             return {**p, "peak_rss_gb": max(q["peak_rss_gb"] for q, _ in done)}, o, rates
 
         peers = {k: best_of(("peer", k), "steady_tokens_per_second")
-                 for k in (pdt + name for pdt in ("bfloat16", "float32") for name in peer_envs)}
+                 for k in (pdt + name for pdt in ("bfloat16", "float32") for name in gen_envs)}
         rate = {d: peers[d][1].get("steady_tokens_per_second", 0) for d in peers}
         best = max(rate, key=rate.get)  # e.g. "bfloat16 unset": bf16 with GLIBC_TUNABLES unset
         peer, t, peer_rates = peers[best]
@@ -417,13 +431,11 @@ def main(argv=None) -> int:
         peers = {pdt: measured(me + ["finetune", str(ck), str(data), pdt]) for pdt in pdts}
         med = {d: sorted(last_json(p["stdout"]).get("step_seconds", [1e9]))[2] for d, p in peers.items()}
         peer_dt = min(med, key=med.get)  # peft's faster dtype on this CPU
-        # and its faster environment, as bench_lora (common.child_plan): GLIBC_TUNABLES unset, and the kept
-        # heap `amdllm finetune` gives itself (on the 31M shape PyTorch ran fastest with it)
-        kept = "glibc.malloc.hugetlb=1:" + ":".join(f"{k}={v}" for k, v in HEAP_KEPT.items())
-        envs = {"hugetlb=1": None, "unset": {"GLIBC_TUNABLES": None}, "finetune's": {"GLIBC_TUNABLES": kept}}
+        # and its faster environment (`peer_envs`: GLIBC_TUNABLES unset, and the kept heap `amdllm finetune`
+        # gives itself, with which PyTorch ran fastest on the 31M shape; hugetlb=1 ran above)
         by_env = {"hugetlb=1": peers[peer_dt]}
         by_env.update({name: measured(me + ["finetune", str(ck), str(data), peer_dt], env=e)
-                       for name, e in envs.items() if e is not None})
+                       for name, e in peer_envs("finetune").items() if e is not None})
         env_med = {n: sorted(last_json(p["stdout"]).get("step_seconds", [1e9]))[2] for n, p in by_env.items()}
         peer_env = min(env_med, key=env_med.get)
         peft_steps = ", ".join(f"{'bf16' if d == 'bfloat16' else d} {med[d]:.2f} s ({peers[d]['peak_rss_gb']} GB)"

@@ -137,17 +137,24 @@ def build(source: Path = SOURCE) -> Path:
 def available() -> bool:
     """Whether the kernel runs here: the CPU back end, AMDLLM_NATIVE not 0, and the library built and
     registered with XLA (a warning says why not, once)."""
+    return _register(SOURCE, (TARGETS[False], TARGETS[True], F32_TARGET), ("Bf16RowsKn", "Bf16RowsNk", "F32RowsKn"),
+                     "bfloat16 weights are decoded through XLA, which widens them to float32 every token (slower), "
+                     "and float32 ones by XLA's dots", what="row")
+
+
+def _register(source: Path, names, symbols, off: str, what: str | None = None) -> bool:
+    """Build `source` and register its FFI handlers `symbols` as targets `names` (`_off()`: False); False with
+    one warning naming the `what` kernel (default: the source's name) and `off`, what runs instead, where that
+    fails."""
     if _off():
         return False
     try:
-        lib = ctypes.cdll.LoadLibrary(str(build()))
-        jax.ffi.register_ffi_target(TARGETS[False], jax.ffi.pycapsule(lib.Bf16RowsKn), platform="cpu")
-        jax.ffi.register_ffi_target(TARGETS[True], jax.ffi.pycapsule(lib.Bf16RowsNk), platform="cpu")
-        jax.ffi.register_ffi_target(F32_TARGET, jax.ffi.pycapsule(lib.F32RowsKn), platform="cpu")
+        lib = ctypes.cdll.LoadLibrary(str(build(source)))
+        for name, symbol in zip(names, symbols):
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     except (RuntimeError, OSError, AttributeError) as e:
-        warnings.warn(f"amdllm.native: the row kernel is off ({e}); bfloat16 weights are decoded "
-                      "through XLA, which widens them to float32 every token (slower), and float32 ones by XLA's "
-                      "dots. AMDLLM_NATIVE=0 silences this.", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"amdllm.native: the {what or source.stem.replace('_', '-')} kernel is off ({e}); {off}. "
+                      "AMDLLM_NATIVE=0 silences this.", RuntimeWarning, stacklevel=3)
         return False
     return True
 
@@ -269,22 +276,6 @@ f32_rows_times.defvjp(lambda x2, w: (_f32_call(x2, w), (x2, w)), _f32_rows_times
 # --------------------------------------------------------------------------------------------------
 # attention.cc: causal grouped-query attention, forward and backward
 # --------------------------------------------------------------------------------------------------
-def _register(source: Path, names, symbols, off: str) -> bool:
-    """Build `source` and register its FFI handlers `symbols` as targets `names`; False with one warning
-    (`off`: what runs instead) where that fails."""
-    if _off():
-        return False
-    try:
-        lib = ctypes.cdll.LoadLibrary(str(build(source)))
-        for name, symbol in zip(names, symbols):
-            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
-    except (RuntimeError, OSError, AttributeError) as e:
-        warnings.warn(f"amdllm.native: the {source.stem.replace('_', '-')} kernel is off ({e}); {off}. "
-                      "AMDLLM_NATIVE=0 silences this.", RuntimeWarning, stacklevel=3)
-        return False
-    return True
-
-
 @functools.cache
 def attention_available() -> bool:
     """Whether `causal_attention` runs here (`available()`'s conditions, for `attention.cc`; a warning says why

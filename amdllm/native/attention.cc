@@ -121,18 +121,6 @@ static inline float exp_row(float* row, int64_t n, float sub) {
   return t;
 }
 
-static inline float max_row(const float* row, int64_t n) {
-  vf m = splat(kMasked);
-  int64_t s = 0;
-  for (; s + kLanes <= n; s += kLanes) {
-    const vf v = load_v(row + s);
-    m = v > m ? v : m;
-  }
-  float t = hmax(m);
-  for (; s < n; ++s) t = std::max(t, row[s]);
-  return t;
-}
-
 // ---------------------------------------------------------------------------------------------------------
 struct Dims {
   int64_t B, T, H, Hkv, G, hd, block;
@@ -187,8 +175,6 @@ struct Scratch {
   float& operator[](int64_t i) { return p[i]; }
 };
 
-static int64_t threads_for(ffi::ThreadPool& pool) { return std::max<int64_t>(0, helpers(pool) - 1); }
-
 static ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::PRED> mask, float scale, int64_t block,
                           ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> lse) {
@@ -203,7 +189,7 @@ static ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   const bool* mp = mask.typed_data();
   float* op = o->typed_data();
   float* lp = lse->typed_data();
-  in_parallel(pool, threads_for(pool), d.B * d.Hkv, [&](int64_t item) {
+  in_parallel(pool, helpers_besides_caller(pool), d.B * d.Hkv, [&](int64_t item) {
     const int64_t b = item / d.Hkv, kh = item % d.Hkv, rows = d.block * d.G;
     Scratch kt(d.hd * d.T), vals(d.T * d.hd), qr(rows * d.hd), s(rows * d.T), out(rows * d.hd), inv(rows);
     pack_heads(kp, d, b, kh, nullptr, kt.data());
@@ -251,7 +237,7 @@ static ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   float* dqp = dq->typed_data();
   float* dkp = dk->typed_data();
   float* dvp = dv->typed_data();
-  in_parallel(pool, threads_for(pool), d.B * d.Hkv, [&](int64_t item) {
+  in_parallel(pool, helpers_besides_caller(pool), d.B * d.Hkv, [&](int64_t item) {
     const int64_t b = item / d.Hkv, kh = item % d.Hkv, rows = d.block * d.G;
     Scratch keys(d.T * d.hd), kt(d.hd * d.T), vt(d.hd * d.T), qr(rows * d.hd), dor(rows * d.hd), orow(rows * d.hd),
         p(rows * d.T), ds(rows * d.T), dqr(rows * d.hd), delta(rows);
@@ -322,7 +308,7 @@ static ffi::Error Cached(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   const float* vp = v.typed_data();
   const bool* mp = mask.typed_data();
   float* op = o->typed_data();
-  in_parallel(pool, threads_for(pool), B * Hkv, [&](int64_t item) {
+  in_parallel(pool, helpers_besides_caller(pool), B * Hkv, [&](int64_t item) {
     const int64_t b = item / Hkv, kh = item % Hkv;
     const float* keys = kp + item * S * hd;  // [S, hd], contiguous: the cache is head-major
     const float* vals = vp + item * S * hd;

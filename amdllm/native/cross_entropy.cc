@@ -22,18 +22,6 @@ using namespace amdllm_native;  // pool.h, vec.h
 
 constexpr int64_t kRowsPerChunk = 8;
 
-static float row_max(const float* row, int64_t V) {
-  vf m = splat(-INFINITY);
-  int64_t j = 0;
-  for (; j + kLanes <= V; j += kLanes) {
-    const vf x = load_v(row + j);
-    m = x > m ? x : m;
-  }
-  float r = hmax(m);
-  for (; j < V; ++j) r = std::max(r, row[j]);
-  return r;
-}
-
 static float row_sum_exp(const float* row, int64_t V, float sub) {
   vf acc = vf{};
   int64_t j = 0;
@@ -53,7 +41,7 @@ static bool shapes(const ffi::Buffer<ffi::F32>& logits, const ffi::Buffer<ffi::S
 }
 
 static void over_rows(ffi::ThreadPool& pool, int64_t N, std::function<void(int64_t)> row) {
-  in_parallel(pool, std::max<int64_t>(0, helpers(pool) - 1), (N + kRowsPerChunk - 1) / kRowsPerChunk,
+  in_parallel(pool, helpers_besides_caller(pool), (N + kRowsPerChunk - 1) / kRowsPerChunk,
               [&](int64_t c) {
                 for (int64_t i = c * kRowsPerChunk; i < std::min(N, (c + 1) * kRowsPerChunk); ++i) row(i);
               });
@@ -70,7 +58,7 @@ static ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ff
   float* lp = lse->typed_data();
   over_rows(pool, N, [&](int64_t i) {
     const float* row = x + i * V;
-    const float m = row_max(row, V);
+    const float m = max_row(row, V);
     const float l = m + std::log(row_sum_exp(row, V, m));
     lp[i] = l;
     np[i] = l - row[std::clamp<int64_t>(t[i], 0, V - 1)];

@@ -32,6 +32,9 @@ inline void claim(Work& work) {
 // The pool's threads that may help the caller (at most 64).
 inline int64_t helpers(xla::ffi::ThreadPool& pool) { return std::clamp<int64_t>(pool.num_threads(), 0, 64); }
 
+// The helpers that give one thread per core with the caller (the pool has one thread per core).
+inline int64_t helpers_besides_caller(xla::ffi::ThreadPool& pool) { return std::max<int64_t>(0, helpers(pool) - 1); }
+
 // `helpers` of the pool's threads (at most chunks - 1 are scheduled) and the caller run the chunks.
 inline void in_parallel(xla::ffi::ThreadPool& pool, int64_t helpers, int64_t chunks,
                         std::function<void(int64_t)> run) {

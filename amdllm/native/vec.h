@@ -1,9 +1,10 @@
 // Float32 vectors of the build's width (GCC vector extensions: 16 lanes with AVX-512, 8 otherwise; -O3
-// -march=native turns their arithmetic into the CPU's vector instructions), their exp and horizontal max
-// and sum, and `with_rows`, for the kernels in this folder.
+// -march=native turns their arithmetic into the CPU's vector instructions), their exp, horizontal max
+// and sum and a row's max, and `with_rows`, for the kernels in this folder.
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -67,6 +68,19 @@ inline float hsum(vf v) {
   float s = 0.f;
   for (int i = 0; i < kLanes; ++i) s += v[i];
   return s;
+}
+
+// The largest of row[0..n).
+inline float max_row(const float* row, int64_t n) {
+  vf m = splat(-INFINITY);
+  int64_t s = 0;
+  for (; s + kLanes <= n; s += kLanes) {
+    const vf v = load_v(row + s);
+    m = v > m ? v : m;
+  }
+  float t = hmax(m);
+  for (; s < n; ++s) t = std::max(t, row[s]);
+  return t;
 }
 
 }  // namespace amdllm_native
