@@ -53,6 +53,24 @@ def test_bf16_sharded_checkpoint_loads(tmp_path):
     assert diff <= 1e-4
 
 
+@pytest.mark.parametrize("stored", ["float32", "bfloat16", "float16"])
+def test_the_c_transpose_and_numpys_load_the_same_bits(tmp_path, monkeypatch, stored):
+    """Every stored dtype into every parameter dtype, HF's exact values: the kernels [in, out] are HF's
+    [out, in] transposed whichever way (`amdllm.native.transpose_into`, or numpy where it is not built)."""
+    from amdllm import native
+    assert native.transpose_into(np.empty((3, 2), np.float32), np.ones((2, 3), np.float32)), \
+        "the transpose kernel did not build: see the RuntimeWarning above"
+    ckpt, hf = make_hf_checkpoint(tmp_path, dtype=stored, max_shard_size="30KB")
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+        ours = checkpoint.load(ckpt, dtype=dtype)
+        with monkeypatch.context() as m:
+            m.setattr(checkpoint, "transpose_into", lambda dst, src: False)
+            _assert_bit_equal(ours, checkpoint.load(ckpt, dtype=dtype))
+        want = hf.model.layers[1].mlp.down_proj.weight.detach().numpy()  # [out, in], the stored values
+        got = np.asarray(ours.layers.down_proj[...][1].astype(jnp.float32)).T
+        assert np.array_equal(got, np.asarray(jnp.asarray(want).astype(dtype).astype(jnp.float32))), dtype
+
+
 @pytest.mark.parametrize("dtype,shard", [("float32", None), ("bfloat16", "30KB"), ("float32", 40_000)])
 def test_saved_checkpoint_loads_in_transformers(tmp_path, f32, dtype, shard):
     ckpt, hf = f32

@@ -199,6 +199,30 @@ def test_a_kernel_that_cannot_be_built_is_a_warning_and_xla_decodes(tmp_path, mo
     assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.tmp*"))
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "int32"])
+@pytest.mark.parametrize("rows,cols", [(64, 64), (130, 67), (1, 9), (8, 1), (7, 3), (2048, 520)])
+def test_transpose_into_equals_numpy(dtype, rows, cols):
+    """The loader's transpose: any row strides (a column slice of a memory-mapped tensor, a column block of
+    the destination), ragged edges beyond the 8 x 8 and 4 x 4 tiles, bit for bit."""
+    rng = np.random.default_rng(rows * cols)
+    big = rng.integers(0, 2**16, (rows + 3, cols + 5)).astype(np.uint16 if dtype in ("bfloat16", "float16")
+                                                             else np.uint32).view(jnp.dtype(dtype))
+    src = big[2:2 + rows, 3:3 + cols]  # strided rows, offset start
+    out = np.zeros((cols, rows + 11), src.dtype)
+    assert native.transpose_into(out[:, 4:4 + rows], src)
+    assert out[:, 4:4 + rows].view(np.uint8).tobytes() == np.ascontiguousarray(src.T).view(np.uint8).tobytes()
+    assert not out[:, :4].view(np.uint8).any() and not out[:, 4 + rows:].view(np.uint8).any()  # nothing else
+
+
+def test_transpose_into_declines_what_it_does_not_do():
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    assert not native.transpose_into(np.empty((4, 3), np.float64), a)  # a cast
+    assert not native.transpose_into(np.empty((3, 4), np.float32), a)  # not the transposed shape
+    assert not native.transpose_into(np.empty((4, 3), np.int8), a.astype(np.int8))  # 1-byte elements
+    assert not native.transpose_into(np.empty((2, 3), np.float32), a[:, ::2])  # elements not contiguous
+    assert not native.transpose_into(np.empty((4, 3), np.float32), a[::-1])  # rows backwards
+
+
 @pytest.mark.parametrize("unstack", [False, True], ids=["views", "unstacked"])
 def test_the_engine_holds_a_bf16_cache_as_bits_and_decodes_as_generate(bf16_ckpt, unstack):
     """The server's engine keeps a bf16 cache as uint16 bits between steps (`batch_cache.HeldCache`: XLA:CPU

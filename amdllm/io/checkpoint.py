@@ -9,7 +9,8 @@ How it works, and why:
   * Host memory at load is about the model itself (1.0-1.1x the checkpoint for a same-dtype load):
     each parameter's destination is allocated once, 64-byte aligned, and every HF tensor is cast and
     transposed straight into it, a slab of rows at a time, each slab's file pages released as soon as
-    it is copied. On CPU `jax.device_put` adopts an aligned host buffer without copying it, so that
+    it is copied (the transposes in C, `amdllm.native.transpose_into`, where it is built: numpy's run
+    several times slower). On CPU `jax.device_put` adopts an aligned host buffer without copying it, so that
     buffer *is* the parameter; an unaligned one would be copied, holding the parameter twice.
   * With `shardings`, each parameter is created by `jax.make_array_from_callback`: every device asks
     only for its block, which is read straight from the mapped files (layer range, then a transposed
@@ -37,6 +38,7 @@ from amdllm.io.gptq_format import is_quantized, load_quantized
 from amdllm.io.names import IGNORED_SUFFIXES, NAME_TABLE, TOKENIZER_FILES
 from amdllm.io.tokenizer import copy_tokenizer
 from amdllm.model.llama import Llama, param_table
+from amdllm.native import transpose_into, transposed
 from amdllm.parallel.sharding import activation_sharding, param_shardings
 from amdllm.io.safetensors import aligned_empty
 from amdllm.io.safetensors import (ST_DTYPES, ST_NAMES, CheckpointError, SafetensorsFile, TensorSource,
@@ -124,11 +126,18 @@ def _copy_into(out: np.ndarray, src: TensorSource, name: str, tr: bool, index: t
         src.release(name)
         return
     step = max(1, SLAB_BYTES // max(1, view.shape[1] * view.dtype.itemsize))
+    # a cast and a transpose: transposed as stored into one slab-sized buffer, then cast along its rows
+    tmp = (np.empty((out.shape[0], min(step, len(rows))), view.dtype)
+           if tr and view.dtype != out.dtype and view.dtype.itemsize in (2, 4) else None)
     for k in range(0, len(rows), step):
         r0, r1 = rows.start + k, min(rows.stop, rows.start + k + step)
         slab = view[r0:r1, col_sl]
-        if tr:
-            out[:, k:k + r1 - r0] = slab.T  # the transpose is a strided copy straight into `out`
+        if tr:  # a strided copy straight into `out`, in C where it can be (numpy's is several times slower)
+            dst = out[:, k:k + r1 - r0]
+            if tmp is not None and transpose_into(tmp[:, :r1 - r0], slab):
+                dst[...] = tmp[:, :r1 - r0]
+            elif not transpose_into(dst, slab):
+                dst[...] = slab.T
         else:
             out[k:k + r1 - r0] = slab
         src.release(name, (r0, r1))
@@ -160,9 +169,17 @@ def _check_finite(a: np.ndarray, src: TensorSource, name: str) -> None:
     """A NaN or infinity in the weights is refused at load, naming the tensor (it would otherwise come
     out as a perplexity of NaN, or token ids all 0). One pass over what was just copied, in chunks."""
     flat = a.reshape(-1)  # a view: the block is contiguous
+    exponent = EXPONENT_BITS.get(flat.dtype)  # 2-byte floats: integer ops (ml_dtypes' isfinite is slow)
     for k in range(0, flat.size, FINITE_CHUNK):
-        if not np.isfinite(flat[k:k + FINITE_CHUNK]).all():
+        chunk = flat[k:k + FINITE_CHUNK]
+        bad = ((chunk.view(np.uint16) & exponent).max(initial=0) == exponent if exponent is not None
+               else not np.isfinite(chunk).all())
+        if bad:
             raise CheckpointError(f"{src.path}: tensor {name} holds NaN or infinite values")
+
+
+# a 2-byte float is NaN or infinite exactly when its exponent bits are all ones
+EXPONENT_BITS = {np.dtype(ml_dtypes.bfloat16): np.uint16(0x7F80), np.dtype(np.float16): np.uint16(0x7C00)}
 
 
 def _flatten_shardings(sh) -> dict[str, Any]:
@@ -274,7 +291,7 @@ def save(model: Llama, path, *, dtype=None, max_shard_size="2GB", tokenizer_from
         def f():
             v = values[ours] if layer is None else values[ours][layer]  # one layer: gathers only this slice
             v = np.asarray(jnp.asarray(v).astype(out_dt))
-            return v.T if tr else v
+            return transposed(v) if tr else v  # contiguous, as the writer wants it
         return f
 
     entries = [(hf, s[3], out_dt, fetch(s[0], s[1], s[2])) for hf, s in specs.items()]

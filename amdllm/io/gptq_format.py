@@ -32,6 +32,7 @@ from amdllm.io.safetensors import CheckpointError, SafetensorsFile, aligned_empt
 from amdllm.io.tokenizer import copy_tokenizer
 from amdllm.model.llama import Llama, param_table
 from amdllm.model.qmatmul import restore_gptq
+from amdllm.native import transposed
 from amdllm.model.quantized import (FORMAT_BITS, QUANT_KEYS, QuantFormatError, QuantLinear,  # noqa: F401
                                     check_bits, group_count, infer_bits, pack_cols, packed_logical_axes,
                                     unpack_cols)
@@ -133,14 +134,14 @@ def save_quantized(model, path, quant_config: dict, *, tokenizer_from=None) -> P
     t = {"model.embed_tokens.weight": np.asarray(model.embed_tokens[...]),
          "model.norm.weight": np.asarray(model.norm[...])}
     if hasattr(model, "lm_head"):
-        t["lm_head.weight"] = np.asarray(model.lm_head[...]).T  # ours [D, V] -> HF [V, D]
+        t["lm_head.weight"] = transposed(np.asarray(model.lm_head[...]))  # ours [D, V] -> HF [V, D]
     for i in range(cfg.num_hidden_layers):
         t[f"model.layers.{i}.input_layernorm.weight"] = layers["input_layernorm"][i]
         t[f"model.layers.{i}.post_attention_layernorm.weight"] = layers["post_attention_layernorm"][i]
         for proj in PROJECTIONS:
             v = layers[proj]
             if not isinstance(v, dict):
-                t[hf_proj(i, proj) + ".weight"] = v[i].T
+                t[hf_proj(i, proj) + ".weight"] = transposed(v[i])
                 continue
             q = restore_gptq({k: a[i] for k, a in v.items()})  # as loaded, if prepared for a fused kernel
             qz = np.asarray(q["qzeros"])
@@ -259,7 +260,8 @@ def load_quantized(path, *, dtype=jnp.float32, compute_dtype=None, mesh=None, ru
               table["embed_tokens"][1])
     put_param(model, "norm", "norm", _get(t, "model.norm.weight", (D,), path), table["norm"][1])
     if "lm_head" in table:
-        put_param(model, "lm_head", "lm_head", _get(t, "lm_head.weight", (V, D), path).T, table["lm_head"][1])
+        put_param(model, "lm_head", "lm_head", transposed(_get(t, "lm_head.weight", (V, D), path)),
+                  table["lm_head"][1])
     for nm in ("input_layernorm", "post_attention_layernorm"):
         rows = [_get(t, f"model.layers.{i}.{nm}.weight", (D,), path) for i in range(L)]
         put_param(model.layers, nm, "layers/" + nm, np.stack(rows), table["layers/" + nm][1])
@@ -278,6 +280,6 @@ def load_quantized(path, *, dtype=jnp.float32, compute_dtype=None, mesh=None, ru
             stk = {k: place(f"layers/{proj}/{k}", [d[k] for d in per], packed_axes[k]) for k in QUANT_KEYS}
             setattr(model.layers, proj, QuantLinear(**stk, axes=packed_axes))
         else:
-            rows = [_get(t, hf_proj(i, proj) + ".weight", (N, K), path).T for i in range(L)]
+            rows = [transposed(_get(t, hf_proj(i, proj) + ".weight", (N, K), path)) for i in range(L)]
             put_param(model.layers, proj, "layers/" + proj, np.stack(rows), axes)
     return model
