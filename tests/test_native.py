@@ -214,6 +214,19 @@ def test_transpose_into_equals_numpy(dtype, rows, cols):
     assert not out[:, :4].view(np.uint8).any() and not out[:, 4 + rows:].view(np.uint8).any()  # nothing else
 
 
+def test_a_transpose_kernel_that_cannot_be_built_is_a_warning_and_numpy_transposes(tmp_path, monkeypatch):
+    monkeypatch.setenv("AMDLLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "compiler", lambda: "/bin/false")
+    native._transpose_lib.cache_clear()
+    try:
+        a = np.arange(12, dtype=np.float32).reshape(3, 4)
+        with pytest.warns(RuntimeWarning, match="transpose kernel is off .*false failed on transpose.cc"):
+            assert not native.transpose_into(np.empty((4, 3), np.float32), a)
+        assert np.array_equal(native.transposed(a), a.T) and native.transposed(a).flags.c_contiguous
+    finally:
+        native._transpose_lib.cache_clear()
+
+
 def test_transpose_into_declines_what_it_does_not_do():
     a = np.arange(12, dtype=np.float32).reshape(3, 4)
     assert not native.transpose_into(np.empty((4, 3), np.float64), a)  # a cast
