@@ -3,8 +3,9 @@
 //
 // Why: numpy copies a transposed view one element at a time, and in a matrix whose rows are a multiple of
 // 4 KB apart every row of a column maps to the same L1 cache set, so that copy ran at 0.3-0.4 GB/s (a
-// [8192, 2048] bf16 kernel: 118 ms; the 1B checkpoint's load spent 12.7 of its 14 s in it). Here 8 x 8
-// (2-byte) or 4 x 4 (4-byte) tiles are transposed in SSE registers, 64 x 64 blocks at a time: 10 ms.
+// [8192, 2048] bf16 kernel: 118 ms; a 1B checkpoint's load spent 12.7 of its 14 s in the slab copies that
+// ran it). Here 8 x 8 (2-byte) or 4 x 4 (4-byte) tiles are transposed in SSE registers, 64 x 64 blocks at a
+// time: 10 ms.
 //
 // dst[j * ds + i] = src[i * ss + j] for i < rows, j < cols (strides in elements).
 #include <algorithm>
