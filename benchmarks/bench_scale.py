@@ -160,13 +160,21 @@ def peer_envs(command: str) -> dict[str, dict | None]:
     return envs
 
 
-def fastest_peer(argv: list[str], command: str, env: dict | None = None) -> tuple[dict, str, dict[str, float]]:
-    """argv (a peer of `amdllm <command>`) run once in each of `peer_envs(command)` (with `env` over each) ->
-    (its fastest process by wall time, that environment's name, {name: wall_s})."""
-    runs = {name: measured(argv, env={**(env or {}), **(e or {})}) for name, e in peer_envs(command).items()}
-    done = {n: p["wall_s"] for n, p in runs.items() if p["rc"] == 0} or {n: p["wall_s"] for n, p in runs.items()}
-    name = min(done, key=done.get)
-    return runs[name], name, done
+def fastest_peer(argv: list[str], command: str, env: dict | None = None, score=lambda p: p["wall_s"],
+                 measured_in: dict | None = None) -> tuple[dict[str, dict], str, dict[str, float]]:
+    """argv (a peer of `amdllm <command>`) run once in each of `peer_envs(command)` (with `env` over each) but
+    those `measured_in` already ({name: process}) -> ({name: process}, the name of the lowest score(process),
+    {name: score}); a failed process is taken only if every one failed."""
+    runs = dict(measured_in or {})
+    runs.update({name: measured(argv, env={**(env or {}), **(e or {})})
+                 for name, e in peer_envs(command).items() if name not in runs})
+    scores = {n: score(p) for n, p in runs.items() if p["rc"] == 0} or {n: score(p) for n, p in runs.items()}
+    return runs, min(scores, key=scores.get), scores
+
+
+def median_step(p: dict) -> float:
+    """The median of the 5 steps a finetune process (peft's `--peer` side) timed."""
+    return sorted(last_json(p["stdout"]).get("step_seconds", [1e9]))[2]
 
 
 def env_note(name: str, walls: dict[str, float]) -> str:
@@ -380,7 +388,8 @@ def main(argv=None) -> int:
     if "eval" in only:
         for dt in ("bfloat16", "float32"):
             ours = measured(amdllm("eval", "--model", str(ck), "--text", str(text), "--dtype", dt, "--json"))
-            peer, name, walls = fastest_peer(me + ["eval", str(ck), str(text), dt], "eval")
+            peers, name, walls = fastest_peer(me + ["eval", str(ck), str(text), dt], "eval")
+            peer = peers[name]
             o, t = last_json(ours["stdout"]), last_json(peer["stdout"])
             row(f"eval {dt} ({o.get('tokens')} tokens)", ours, peer, "transformers",
                 f"nll {o.get('nll', float('nan')):.5f} vs {t.get('nll', float('nan')):.5f}" + env_note(name, walls),
@@ -450,8 +459,9 @@ def main(argv=None) -> int:
                     "bench_gptq.gptqmodel_side(%r, %r, %r, %d, False)"
                     % (str(Path(__file__).resolve().parent), str(work / "gptq4-gm"), str(ck), str(win),
                        str(work / "gptq4-gm"), g))
-            peer, name, walls = fastest_peer([a.gptqmodel_python, "-c", code], "quantize",
-                                             env={"GPTQMODEL_CPU_WORKERS": str(os.cpu_count())})
+            peers, name, walls = fastest_peer([a.gptqmodel_python, "-c", code], "quantize",
+                                              env={"GPTQMODEL_CPU_WORKERS": str(os.cpu_count())})
+            peer = peers[name]
         o = last_json(ours["stdout"])
         on_disk = sum(f.stat().st_size for f in q.glob("*.safetensors"))
         row(f"quantize 4-bit g{g}, 16x256", ours, peer, "GPTQModel" if peer else "GPTQModel not installed",
@@ -465,15 +475,12 @@ def main(argv=None) -> int:
         # against 61; run 3 had not finished 4 steps in 1117 s), so float32 is its faster dtype there
         pdts = ("bfloat16", "float32") if bf16_instructions() else ("float32",)
         peers = {pdt: measured(me + ["finetune", str(ck), str(data), pdt]) for pdt in pdts}
-        med = {d: sorted(last_json(p["stdout"]).get("step_seconds", [1e9]))[2] for d, p in peers.items()}
+        med = {d: median_step(p) for d, p in peers.items()}
         peer_dt = min(med, key=med.get)  # peft's faster dtype on this CPU
         # and its faster environment (`peer_envs`: GLIBC_TUNABLES unset, and the kept heap `amdllm finetune`
         # gives itself, with which PyTorch ran fastest on the 31M shape; hugetlb=1 ran above)
-        by_env = {"hugetlb=1": peers[peer_dt]}
-        by_env.update({name: measured(me + ["finetune", str(ck), str(data), peer_dt], env=e)
-                       for name, e in peer_envs("finetune").items() if e is not None})
-        env_med = {n: sorted(last_json(p["stdout"]).get("step_seconds", [1e9]))[2] for n, p in by_env.items()}
-        peer_env = min(env_med, key=env_med.get)
+        by_env, peer_env, env_med = fastest_peer(me + ["finetune", str(ck), str(data), peer_dt], "finetune",
+                                                 score=median_step, measured_in={"hugetlb=1": peers[peer_dt]})
         peft_steps = ", ".join(f"{'bf16' if d == 'bfloat16' else d} {med[d]:.2f} s ({peers[d]['peak_rss_gb']} GB)"
                                for d in pdts) + ("" if len(pdts) > 1 else "; bf16 not run: no bf16 instructions")
         peer, med[peer_dt] = by_env[peer_env], env_med[peer_env]

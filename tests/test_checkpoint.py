@@ -64,7 +64,7 @@ def test_the_c_transpose_and_numpys_load_the_same_bits(tmp_path, monkeypatch, st
     for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
         ours = checkpoint.load(ckpt, dtype=dtype)
         with monkeypatch.context() as m:
-            m.setattr(checkpoint, "transpose_into", lambda dst, src: False)
+            m.setattr(native, "transpose_into", lambda dst, src: False)
             _assert_bit_equal(ours, checkpoint.load(ckpt, dtype=dtype))
         want = hf.model.layers[1].mlp.down_proj.weight.detach().numpy()  # [out, in], the stored values
         got = np.asarray(ours.layers.down_proj[...][1].astype(jnp.float32)).T

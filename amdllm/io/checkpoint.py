@@ -38,7 +38,7 @@ from amdllm.io.gptq_format import is_quantized, load_quantized
 from amdllm.io.names import IGNORED_SUFFIXES, NAME_TABLE, TOKENIZER_FILES
 from amdllm.io.tokenizer import copy_tokenizer
 from amdllm.model.llama import Llama, param_table
-from amdllm.native import transpose_into, transposed
+from amdllm.native import copy_transposed, transposed
 from amdllm.parallel.sharding import activation_sharding, param_shardings
 from amdllm.io.safetensors import aligned_empty
 from amdllm.io.safetensors import (ST_DTYPES, ST_NAMES, CheckpointError, SafetensorsFile, TensorSource,
@@ -134,10 +134,11 @@ def _copy_into(out: np.ndarray, src: TensorSource, name: str, tr: bool, index: t
         slab = view[r0:r1, col_sl]
         if tr:  # a strided copy straight into `out`, in C where it can be (numpy's is several times slower)
             dst = out[:, k:k + r1 - r0]
-            if tmp is not None and transpose_into(tmp[:, :r1 - r0], slab):
+            if tmp is None:
+                copy_transposed(dst, slab)
+            else:
+                copy_transposed(tmp[:, :r1 - r0], slab)
                 dst[...] = tmp[:, :r1 - r0]
-            elif not transpose_into(dst, slab):
-                dst[...] = slab.T
         else:
             out[k:k + r1 - r0] = slab
         src.release(name, (r0, r1))

@@ -43,8 +43,7 @@ def nll_for(run):
     rounding, tests/test_native.py) where it builds and AMDLLM_NATIVE is not 0; else the one above. On a
     mesh XLA would gather the sharded logits to call it."""
     def nll(logits, targets):
-        if (run.act_sharding is None and jax.default_backend() == "cpu" and logits.dtype == jnp.float32
-                and native.cross_entropy_available()):
+        if run.act_sharding is None and logits.dtype == jnp.float32 and native.cross_entropy_available():
             return native.token_nll(logits, targets)
         return token_nll(logits, targets)
     return nll

@@ -207,11 +207,16 @@ def transpose_into(dst: np.ndarray, src: np.ndarray) -> bool:
     return True
 
 
+def copy_transposed(dst: np.ndarray, src: np.ndarray) -> None:
+    """dst[...] = src.T (cast to dst's dtype): `transpose_into` where it applies, else numpy."""
+    if not transpose_into(dst, src):
+        dst[...] = src.T
+
+
 def transposed(a: np.ndarray) -> np.ndarray:
-    """A contiguous copy of the 2-D array a.T (`transpose_into` where it applies, else numpy)."""
+    """A contiguous copy of the 2-D array a.T (`copy_transposed`)."""
     t = np.empty(a.shape[::-1], a.dtype)
-    if not transpose_into(t, a):
-        t[...] = a.T
+    copy_transposed(t, a)
     return t
 
 
