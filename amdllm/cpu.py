@@ -62,6 +62,35 @@ def cpu_compiler_options(kind: str, hidden_size: int = 0, narrow: bool = False) 
     raise ValueError(f"kind must be 'decode' or 'train', got {kind!r}")
 
 
+ASYNC_DISPATCH = "jax_cpu_enable_async_dispatch"
+
+
+def run_on_caller() -> bool:
+    """Have XLA:CPU run each computation on the thread that calls it (no asynchronous dispatch), if JAX's
+    back ends have not started yet (the setting is read once, when the CPU client is made); returns
+    whether this process runs that way (`runs_on_caller`). `amdllm finetune` asks for it before anything
+    touches a device: a training step's loop waits for each step's loss anyway, so nothing overlaps that
+    dispatch would have hidden, and the per-layer training step (`amdllm.model.fast.step_views`) needs it.
+    Computations over several devices are dispatched as before."""
+    from jax._src import xla_bridge  # JAX's public API does not say whether the back ends have started
+    if not xla_bridge.backends_are_initialized():
+        jax.config.update(ASYNC_DISPATCH, False)
+        return True
+    return runs_on_caller()
+
+
+def runs_on_caller() -> bool:
+    """Whether this process's CPU client runs computations on the calling thread: the setting as it was
+    when the back ends started (`run_on_caller`); False before they start."""
+    from jax._src import xla_bridge
+    return xla_bridge.backends_are_initialized() and _made_synchronous()
+
+
+@functools.cache
+def _made_synchronous() -> bool:  # asked once the client exists: the setting it was made with
+    return not jax.config.values[ASYNC_DISPATCH]
+
+
 @contextlib.contextmanager
 def one_blas_thread():
     """Run the host factorisation on one OpenBLAS thread (numpy's and scipy's bundled copies; the

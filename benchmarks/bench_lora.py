@@ -79,6 +79,8 @@ def time_steps(one_step, data) -> tuple[list[float], float]:
 
 
 def amdllm_child(a) -> dict:
+    from amdllm.cpu import run_on_caller
+    run_on_caller()  # as `amdllm finetune` does, before anything touches a device
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -90,11 +92,13 @@ def amdllm_child(a) -> dict:
     cfg = LlamaConfig.from_dict(shape_dict(a))
     model = lora.apply_lora(Llama(cfg, rngs=nnx.Rngs(0)), rank=a.rank, alpha=2 * a.rank, targets=a.targets)
     lo, frozen = train.split_params(model)
+    frozen = train.step_frozen(frozen)  # as `finetune` passes them: per-layer views where they pay off
     opt, _ = train.make_optimizer(train.TrainConfig(steps=1000, lr=1e-4, warmup=0))
     step = train.make_train_step(model, opt)
     ones = np.ones((1, a.batch, a.seq), np.int32)
     pos = np.broadcast_to(np.arange(a.seq, dtype=np.int32), (1, a.batch, a.seq))
-    state = {"lo": lo, "opt": opt.init(lo), "i": 0}
+    # committed like the views (`step_frozen`): else jit compiles the step again for its own outputs
+    state = {**jax.device_put({"lo": lo, "opt": opt.init(lo)}, jax.devices()[0]), "i": 0}
 
     def one_step(w):  # one LoRA step on window batch w [B, T+1]; returns (seconds, loss)
         batch = {"tokens": jnp.asarray(w[None, :, :-1]), "targets": jnp.asarray(w[None, :, 1:]),

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from amdllm.config import LlamaConfig
-from amdllm import native
+from amdllm import cpu, native
 from amdllm.model import fast, llama, lora, narrow
 from amdllm.model.llama import Llama, Run, logit_tolerance, to_pure
 from amdllm.quant import QuantSpec, quantize_model
@@ -86,6 +86,42 @@ def test_remat_modes_give_the_same_lora_gradients(fwd):
                                        err_msg=f"{r}: {k}")
     with pytest.raises(ValueError, match="remat must be one of"):
         llama.remat_mode("some")
+
+
+@pytest.mark.parametrize("remat", llama.REMAT)
+def test_training_over_per_layer_views_equals_the_layer_scan(monkeypatch, remat):
+    """`step_views`: the frozen layers as per-layer views (zero-copy) and the layers unrolled give the scan's
+    LoRA gradients, in every remat mode and with LoRA dropout (the same per-layer masks)."""
+    monkeypatch.setattr(cpu, "runs_on_caller", lambda: True)
+    m = model()
+    top, layers = to_pure(m)
+    lo = {k: v for k, v in layers.items() if "lora" in k}
+    base = {k: v for k, v in layers.items() if "lora" not in k}
+    views = fast.step_views(base)
+    assert len(views) == CFG.num_hidden_layers
+    assert views[1]["down_proj"].unsafe_buffer_pointer() == np.asarray(base["down_proj"])[1].ctypes.data
+    toks, run = tokens(4, 32), Run(lora_scale=m.lora_scale, lora_dropout=0.25, remat=remat)
+
+    def grad(layers_of):
+        return jax.jit(jax.grad(lambda lo: jnp.sum(jnp.sin(fast.forward(
+            CFG, top, layers_of(lo), toks, run=run, dropout_rng=jax.random.key(3))[0]))))(lo)
+
+    want = grad(lambda lo: {**base, **lo})
+    got = grad(lambda lo: [{**v, **{k: x[i] for k, x in lo.items()}} for i, v in enumerate(views)])
+    for k in lo:
+        scale = float(jnp.abs(want[k]).max())
+        np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), atol=1e-5 * scale, err_msg=k)
+
+
+def test_step_views_only_for_a_float32_base_on_steps_run_by_the_caller(monkeypatch):
+    m = model()
+    base = {k: v for k, v in to_pure(m)[1].items() if "lora" not in k}
+    monkeypatch.setattr(cpu, "runs_on_caller", lambda: False)
+    assert fast.step_views(base) is None  # dispatched asynchronously: the scan (module doc of step_views)
+    monkeypatch.setattr(cpu, "runs_on_caller", lambda: True)
+    assert fast.step_views(base) is not None
+    assert fast.step_views(narrow.carry_bits(jax.tree.map(lambda a: a.astype(jnp.bfloat16), base))) is None
+    assert fast.step_views(jax.tree.map(lambda a: a.astype(jnp.bfloat16), base)) is None
 
 
 def test_lora_dropout_draws_the_same_masks():

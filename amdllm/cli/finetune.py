@@ -13,6 +13,7 @@ from amdllm.cli.cluster import cluster_of
 from amdllm.cli.common import emit
 from amdllm.cli.common import model_dir as resolve_model_dir
 from amdllm.config import LlamaConfig
+from amdllm.cpu import run_on_caller
 from amdllm.io import checkpoint
 from amdllm.io.gptq_format import quant_config_of
 from amdllm.files import atomic_write_text, check_output_dir
@@ -53,6 +54,8 @@ def run(args) -> int:
         eval_ds = data_mod.load_dataset(args.eval_data, tok, args.seq_len, pack=not args.no_pack,
                                         too_long=args.too_long)
         rows = eval_ds.rows
+    if not several:  # before anything touches a device: steps on this thread (amdllm.cpu.run_on_caller)
+        run_on_caller()
     cluster.join(args)  # several processes: JAX's runtime first, before anything touches a device
     dtype = args.dtype
     if dtype == "auto":  # docs/cli.md: the measurements behind this choice

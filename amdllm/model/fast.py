@@ -21,6 +21,10 @@ numbers (tests/test_fast.py checks every one against the textbook), and is on wh
   * Per-layer decoding (`layer_views` + the unrolled loop in `forward`): on a CPU, a decode step reads
     each layer's weights where they lie instead of XLA copying every layer's slice out of the stack
     (most of a decode step's time); zero-copy views, so no memory is spent. CPU only.
+  * Per-layer training (`step_views` + the same unrolled loop): a float32 base on a CPU whose steps run on
+    the calling thread is handed to the training and evaluation steps as per-layer views, so the layer
+    scan's stacked residuals (zero-filled, written and read back a slice at a time) are never built. CPU
+    only; the scan stays for narrow and sharded bases.
   * Narrow weights (bfloat16, float16) on a CPU: carried as their bits and widened one layer at a time,
     or multiplied as bf16 where the CPU can; the head by vocabulary blocks (`amdllm.model.narrow`).
 The XLA:CPU compiler options the jitted steps use are in `amdllm.cpu`.
@@ -37,6 +41,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from amdllm import native
+import amdllm.cpu as cpu
 from amdllm.config import LlamaConfig
 import amdllm.model.llama as llama
 from amdllm.model.attention import _scores, cached_attention, library_attention
@@ -309,16 +314,23 @@ def forward(cfg: LlamaConfig, top: dict, layers, tokens, *, run: Run = Run(), **
 
 def _unrolled(cfg, top, layer_list, tokens, *, positions=None, segment_ids=None, cache=None,
               cache_index=None, run: Run = Run(), dropout_rng=None, kernels=None):
-    """`llama.forward` over per-layer weights, as a Python loop (compile time grows with depth: for
-    decoding) -> (the normed hidden states, cache)."""
+    """`llama.forward` over per-layer weights, as a Python loop (compile time grows with depth) -> (the
+    normed hidden states, cache). Without a cache each layer keeps what `run.remat` says, as in the scan."""
     x, rope, mask, valid = embed(cfg, top, tokens, positions, segment_ids, cache, cache_index, run.dtype,
                                  kernels.lookup)
+
+    def layer(x, xs):
+        p, kv, rng = xs
+        return block(cfg, kernels.weights(p), x, rope, mask, kv, cache_index, kernels=kernels,
+                     lora=LoRA(run.lora_scale, run.lora_dropout, rng))
+
+    if cache is None:  # training or evaluation; a decode step is never differentiated
+        layer = llama.remat(layer, run, kernels)
     ks, vs = [], []
     for i, p in enumerate(layer_list):
         rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, i)
         kv = None if cache is None else (cache.k[i], cache.v[i])
-        x, kv = block(cfg, kernels.weights(p), x, rope, mask, kv, cache_index, kernels=kernels,
-                      lora=LoRA(run.lora_scale, run.lora_dropout, rng))
+        x, kv = layer(x, (p, kv, rng))
         if kv is not None:
             ks.append(kv[0])
             vs.append(kv[1])
@@ -381,6 +393,24 @@ def layer_views(layers: dict, rows: int = 1) -> list[dict] | None:
     if any(v.unsafe_buffer_pointer() != h.ctypes.data for v, h in zip(views, slices)):
         return None  # copied (e.g. a misaligned slice): not worth the memory
     return [hold_dense(jax.tree.unflatten(treedef, views[i * n:(i + 1) * n]), rows) for i in range(L)]
+
+
+def step_views(layers) -> list[dict] | None:
+    """The stacked float32 layer weights of a frozen base as per-layer views (`layer_views`) for a training
+    or evaluation step on a CPU, or None where the step scans the stack.
+
+    Why: a scan stacks each layer's residuals into [L, ...] buffers, which XLA zero-fills, writes one slice
+    a layer and reads back in the backward. In a profile of the 31M LoRA step that was ~150 ms of 1.55 s
+    (zero fills 58, slice writes 57, slice reads 41); unrolled over views each residual is a buffer of its
+    own, and no weight is copied out of the stack. Only where the step runs on the calling thread
+    (`amdllm.cpu.run_on_caller`): dispatched to XLA's worker thread, the unrolled step's temporaries were
+    mapped afresh and faulted in on every other step (1.5 against 2.1-2.8 s). Off for narrow (bf16) bases,
+    which scan their bits one layer at a time, and for sharded weights. Compile time grows with depth.
+    Same numbers as the scan (tests/test_fast.py); docs/benchmark-history.md, "per-layer training step"."""
+    if (not isinstance(layers, dict) or has_bits(layers) or not cpu.runs_on_caller()
+            or any(jnp.dtype(a.dtype) != jnp.float32 for a in jax.tree.leaves(layers))):
+        return None
+    return layer_views(layers, rows=FUSE_MIN_ROWS)  # rows: no decode-only kernels (`hold_dense`)
 
 
 def _native_at(layers, rows: int) -> bool:

@@ -183,6 +183,17 @@ def embed(cfg: LlamaConfig, top: dict, tokens, positions, segment_ids, cache, ca
     return (x, rope_tables(cfg, positions), *attention_mask(segment_ids, cache, cache_index))
 
 
+def remat(layer, run: Run, kernels: Kernels = TEXTBOOK):
+    """`layer` wrapped to keep for the backward pass what `run.remat` says (or the kernels' own choice)."""
+    mode = remat_mode(run.remat)
+    if mode == "full":  # keep each layer's input only; recompute the rest in the backward pass
+        return jax.checkpoint(layer, prevent_cse=False)
+    if mode == "dots":  # keep the projections' outputs; recompute norms, RoPE, attention, SwiGLU, LoRA's x A
+        return jax.checkpoint(layer, policy=jax.checkpoint_policies.save_only_these_names(PROJECTION_OUTPUT),
+                              prevent_cse=False)
+    return layer if kernels.checkpoint is None else kernels.checkpoint(layer)
+
+
 def forward(cfg: LlamaConfig, top: dict, layers: dict, tokens, *, positions=None, segment_ids=None,
             cache: KVCache | None = None, cache_index=None, run: Run = Run(), dropout_rng=None,
             return_hidden: bool = False, kernels: Kernels = TEXTBOOK):
@@ -204,16 +215,8 @@ def forward(cfg: LlamaConfig, top: dict, layers: dict, tokens, *, positions=None
                       lora=LoRA(run.lora_scale, run.lora_dropout, rng), kernels=kernels)
         return constrain(x, run.act_sharding), kv
 
-    mode = remat_mode(run.remat)
-    if mode == "full":  # keep each layer's input only; recompute the rest in the backward pass
-        layer = jax.checkpoint(layer, prevent_cse=False)
-    elif mode == "dots":  # keep the projections' outputs; recompute norms, RoPE, attention, SwiGLU, LoRA's x A
-        layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.save_only_these_names(PROJECTION_OUTPUT),
-                               prevent_cse=False)
-    elif kernels.checkpoint is not None:
-        layer = kernels.checkpoint(layer)
     kvs = None if cache is None else (cache.k, cache.v)
-    x, kvs = jax.lax.scan(layer, x, (layers, kvs, jnp.arange(cfg.num_hidden_layers)))
+    x, kvs = jax.lax.scan(remat(layer, run, kernels), x, (layers, kvs, jnp.arange(cfg.num_hidden_layers)))
     x = rms_norm(x, top["norm"], cfg.rms_norm_eps)                                      # [B, T, D]
     cache = None if cache is None else KVCache(kvs[0], kvs[1], valid)
     return (x if return_hidden else head(top, x, run.dtype)), cache

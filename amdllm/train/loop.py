@@ -39,7 +39,7 @@ import amdllm.train.data as data_mod
 from amdllm.train.report import task_accuracy
 from amdllm.train.step import (TrainConfig, TrainingError, evaluate_loss, flops_per_token, init_opt_state,
                                make_eval_step, make_optimizer, make_train_step, peak_flops, place_batch,
-                               split_params, stack_batch)
+                               split_params, stack_batch, step_frozen)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -204,6 +204,8 @@ def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig 
     # a narrow frozen base travels as bits on a CPU (one layer widened at a time; see model.fast)
     top, layers = inference_weights({k: v for k, v in frozen.items() if k != "layers"}, frozen.get("layers", {}))
     frozen = {**top, "layers": layers} if frozen else frozen
+    if mesh is None and frozen:
+        frozen = step_frozen(frozen)  # a float32 base on a CPU: per-layer views, where they pay off
     optimizer, schedule = make_optimizer(tc)
     opt_state = init_opt_state(optimizer, lora)
     global_batch = tc.batch_size * tc.grad_accum
@@ -351,7 +353,7 @@ def step_inputs(compiled, frozen) -> dict:
     shardings = compiled.input_shardings[0][2]  # arguments: (lora, opt_state, frozen, batch, rng)
     out = {}
     for (path, sh), x in zip(jax.tree_util.tree_flatten_with_path(shardings)[0], jax.tree.leaves(frozen)):
-        name = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+        name = "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
         out[name] = {"dtype": str(x.dtype), "shape": list(x.shape),
                                            "spec": str(getattr(sh, "spec", "")),
                                            "device_shape": list(sh.shard_shape(x.shape))}

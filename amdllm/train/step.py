@@ -28,6 +28,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from amdllm.model import Llama, LoRAParam, forward, to_pure
+import amdllm.model.fast as fast
 from amdllm.model.loss import nll_for
 from amdllm.cpu import cpu_compiler_options
 import amdllm.parallel.plan as plan
@@ -104,7 +105,20 @@ def top_and_layers(trained, frozen, full: bool = False) -> tuple[dict, dict]:
     """The (top, layers) that `forward` takes, from the trained and the frozen parameters."""
     if full:
         return trained["top"], trained["layers"]
-    return {k: v for k, v in frozen.items() if k != "layers"}, {**frozen["layers"], **trained}
+    top, layers = {k: v for k, v in frozen.items() if k != "layers"}, frozen["layers"]
+    if isinstance(layers, list):  # per-layer views (`step_frozen`); the trained factors stay stacked
+        return top, [{**p, **{k: v[i] for k, v in trained.items()}} for i, p in enumerate(layers)]
+    return top, {**layers, **trained}
+
+
+def step_frozen(frozen: dict) -> dict:
+    """The frozen weights as the training and evaluation steps take them fastest: the stacked layers as
+    per-layer views where `amdllm.model.fast.step_views` says so (a float32 base on a CPU that runs steps
+    on the calling thread), else as they are. The views share the stack's memory and are committed to
+    their device: place the trained state there too (`jax.device_put`), or a plain `jax.jit` step compiles
+    twice (its first outputs come back committed). Outside jit."""
+    views = fast.step_views(frozen.get("layers"))
+    return frozen if views is None else {**frozen, "layers": views}
 
 
 def loss_sums(trained, frozen, batch, rng, *, model: Llama, full: bool = False):
