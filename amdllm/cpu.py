@@ -9,6 +9,7 @@ import functools
 import os
 
 import jax
+from jax._src import xla_bridge  # whether JAX's back ends have started: no public API says
 
 
 YNN_TRAIN_MIN_HIDDEN = 1024
@@ -72,7 +73,6 @@ def run_on_caller() -> bool:
     touches a device: a training step's loop waits for each step's loss anyway, so nothing overlaps that
     dispatch would have hidden, and the per-layer training step (`amdllm.model.fast.step_views`) needs it.
     Computations over several devices are dispatched as before."""
-    from jax._src import xla_bridge  # JAX's public API does not say whether the back ends have started
     if not xla_bridge.backends_are_initialized():
         jax.config.update(ASYNC_DISPATCH, False)
         return True
@@ -82,7 +82,6 @@ def run_on_caller() -> bool:
 def runs_on_caller() -> bool:
     """Whether this process's CPU client runs computations on the calling thread: the setting as it was
     when the back ends started (`run_on_caller`); False before they start."""
-    from jax._src import xla_bridge
     return xla_bridge.backends_are_initialized() and _made_synchronous()
 
 

@@ -15,6 +15,7 @@ from flax import nnx
 from amdllm.config import LlamaConfig
 from amdllm import cpu, native
 from amdllm.model import fast, llama, lora, narrow
+from amdllm.model import layers as layers_mod
 from amdllm.model.llama import Llama, Run, logit_tolerance, to_pure
 from amdllm.quant import QuantSpec, quantize_model
 
@@ -122,6 +123,26 @@ def test_step_views_only_for_a_float32_base_on_steps_run_by_the_caller(monkeypat
     assert fast.step_views(base) is not None
     assert fast.step_views(narrow.carry_bits(jax.tree.map(lambda a: a.astype(jnp.bfloat16), base))) is None
     assert fast.step_views(jax.tree.map(lambda a: a.astype(jnp.bfloat16), base)) is None
+
+
+def test_the_rope_tables_are_computed_once_not_in_every_consumer(monkeypatch):
+    """Over unrolled layers XLA:CPU fuses cos and sin into every rotation of q and k (per head, forward and
+    backward) unless the tables are written out first (`held_rope_tables`): then each is evaluated once."""
+    monkeypatch.setattr(cpu, "runs_on_caller", lambda: True)
+    m = model()
+    top, layers = to_pure(m)
+    lo = {k: v for k, v in layers.items() if "lora" in k}
+    views = fast.step_views({k: v for k, v in layers.items() if "lora" not in k})
+
+    def cosines():
+        grad = jax.jit(jax.grad(lambda lo: jnp.sum(fast.forward(
+            CFG, top, [{**v, **{k: x[i] for k, x in lo.items()}} for i, v in enumerate(views)], tokens(8, 64),
+            run=Run(lora_scale=m.lora_scale))[0])))
+        return grad.lower(lo).compile().as_text().count("cosine(")
+
+    assert cosines() == 1
+    monkeypatch.setattr(fast, "held_rope_tables", layers_mod.rope_tables)
+    assert cosines() > 2
 
 
 def test_lora_dropout_draws_the_same_masks():

@@ -330,3 +330,15 @@ def test_the_float32_lora_step_runs_attention_and_the_loss_in_the_kernels(monkey
     np.testing.assert_allclose(float(m_n["grad_norm"]), float(m_b["grad_norm"]), rtol=1e-5)
     for a, b in zip(jax.tree.leaves(lo_n), jax.tree.leaves(lo_b)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def test_materialized_is_a_copy_xla_cannot_fuse_through(monkeypatch):
+    """`materialized` returns its input's bits through copy.cc (a custom call in the compiled HLO); with the
+    kernels off it is the input itself."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 5, 8)), jnp.float32)
+    f = jax.jit(lambda a: native.materialized(jnp.cos(a)) * 2)
+    assert 'custom_call_target="amdllm_copy_f32"' in f.lower(x).compile().as_text()
+    np.testing.assert_array_equal(np.asarray(f(x)), np.asarray(jax.jit(lambda a: jnp.cos(a) * 2)(x)))
+    assert native.materialized(x.astype(jnp.bfloat16)).dtype == jnp.bfloat16  # float32 only
+    monkeypatch.setattr(native, "copy_available", lambda: False)
+    assert native.materialized(x) is x

@@ -46,7 +46,7 @@ from amdllm.config import LlamaConfig
 import amdllm.model.llama as llama
 from amdllm.model.attention import _scores, cached_attention, library_attention
 from amdllm.model.dense import hold_dense
-from amdllm.model.layers import lora_delta, rms_norm
+from amdllm.model.layers import lora_delta, rms_norm, rope_tables
 from amdllm.model.llama import KVCache, Kernels, LoRA, Run, block, embed, project
 from amdllm.model.narrow import (Bits, bf16_dots_for, fence, has_bits, head_blocked, hold_stacked, keep_bits,
                                  lookup, native_decodes, native_rows_for)
@@ -268,9 +268,17 @@ native_cached_attention.defvjp(lambda q, k, v, mask: (native_cached_attention(q,
                                _native_cached_bwd)
 
 
-def kernels(fuse: bool, attention: str = "blocked") -> Kernels:
+def held_rope_tables(cfg: LlamaConfig, positions):
+    """`layers.rope_tables`, each table written to memory once (`native.materialized`, a CPU only): XLA:CPU
+    otherwise fuses cos and sin into every rotation of q and k and evaluates them again per head, forward and
+    backward (31M benchmark LoRA step: about 40 ms of ~1.5 s; docs/benchmark-history.md, "the per-layer
+    training step"). The same numbers."""
+    return tuple(native.materialized(t) for t in rope_tables(cfg, positions))
+
+
+def kernels(fuse: bool, attention: str = "blocked", held_rope: bool = False) -> Kernels:
     """The fast kernels; fuse: join q/k/v and gate/up into one matmul each (see the module doc);
-    attention: one of ATTENTION."""
+    attention: one of ATTENTION; held_rope: the RoPE tables through `held_rope_tables` (a CPU, no mesh)."""
     def mlp(p, h, lora):
         gu = project_group(p, "gate_up", h, lora, fuse, joined=True)
         return swiglu_joined(gu) if not isinstance(gu, list) else swiglu_pair(*gu)
@@ -279,6 +287,7 @@ def kernels(fuse: bool, attention: str = "blocked") -> Kernels:
         library_attention, implementation=attention)
     return Kernels(qkv=lambda p, h, lora: tuple(project_group(p, "qkv", h, lora, fuse)),
                    attend=attend, mlp=mlp, weights=fence, lookup=lookup,
+                   rope=held_rope_tables if held_rope else rope_tables,
                    attend_cached=native_cached_attention if attention == "native" else cached_attention)
 
 
@@ -286,7 +295,8 @@ def kernels_for(run: Run, layers=None) -> Kernels:
     attention = attention_implementation(run.dtype)
     if attention == "native" and run.act_sharding is not None:  # XLA cannot split a custom call over a mesh
         attention = "blocked"
-    k = kernels(fuse=run.act_sharding is None and jax.default_backend() == "cpu", attention=attention)
+    alone = run.act_sharding is None and jax.default_backend() == "cpu"  # XLA:CPU, off a mesh
+    k = kernels(fuse=alone, attention=attention, held_rope=alone)
     if has_bits(layers):  # a frozen narrow base
         k = k._replace(checkpoint=keep_bits, hold=hold_stacked)
     return k
@@ -316,8 +326,7 @@ def _unrolled(cfg, top, layer_list, tokens, *, positions=None, segment_ids=None,
               cache_index=None, run: Run = Run(), dropout_rng=None, kernels=None):
     """`llama.forward` over per-layer weights, as a Python loop (compile time grows with depth) -> (the
     normed hidden states, cache). Without a cache each layer keeps what `run.remat` says, as in the scan."""
-    x, rope, mask, valid = embed(cfg, top, tokens, positions, segment_ids, cache, cache_index, run.dtype,
-                                 kernels.lookup)
+    x, rope, mask, valid = embed(cfg, top, tokens, positions, segment_ids, cache, cache_index, run.dtype, kernels)
 
     def layer(x, xs):
         p, kv, rng = xs

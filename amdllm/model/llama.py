@@ -95,6 +95,7 @@ class Kernels(NamedTuple):
     checkpoint: Any = None  # (layer) -> layer: what each layer keeps for the backward (None: all it needs)
     hold: Any = None  # (layers) -> (layers to scan, at(i) -> layer i's weights read in place, not scanned)
     attend_cached: Callable = cached_attention  # (q [B,T,H,hd], k, v [B,Hkv,S,hd] cache, mask [B,T,S]) -> q's shape
+    rope: Callable = rope_tables  # (cfg, positions [B, T]) -> (cos, sin) [B, T, hd] float32
 
 
 class LoRA(NamedTuple):
@@ -173,14 +174,14 @@ def attention_mask(segment_ids, cache: KVCache | None, cache_index):
 
 
 def embed(cfg: LlamaConfig, top: dict, tokens, positions, segment_ids, cache, cache_index, dtype,
-          lookup: Callable = TEXTBOOK.lookup):
+          kernels: Kernels = TEXTBOOK):
     """What every layer reads: (x [B, T, D], rope (cos, sin) [B, T, hd], mask, the cache's valid slots)."""
     B, T = tokens.shape
     segment_ids = jnp.ones((B, T), jnp.int32) if segment_ids is None else segment_ids
     if positions is None:
         positions = jnp.broadcast_to((cache_index or 0) + jnp.arange(T, dtype=jnp.int32), (B, T))
-    x = lookup(top["embed_tokens"], tokens).astype(dtype)                               # [B, T, D]
-    return (x, rope_tables(cfg, positions), *attention_mask(segment_ids, cache, cache_index))
+    x = kernels.lookup(top["embed_tokens"], tokens).astype(dtype)                       # [B, T, D]
+    return (x, kernels.rope(cfg, positions), *attention_mask(segment_ids, cache, cache_index))
 
 
 def remat(layer, run: Run, kernels: Kernels = TEXTBOOK):
@@ -202,8 +203,7 @@ def forward(cfg: LlamaConfig, top: dict, layers: dict, tokens, *, positions=None
     top: embed_tokens, norm, lm_head?; layers: the stacked [L, ...] parameters. positions [B, T]: RoPE
     positions (default 0.., from cache_index with a cache); segment_ids [B, T]: equal ids attend to each
     other, 0 marks padding; cache: a KVCache written from slot cache_index."""
-    x, rope, mask, valid = embed(cfg, top, tokens, positions, segment_ids, cache, cache_index, run.dtype,
-                                 kernels.lookup)
+    x, rope, mask, valid = embed(cfg, top, tokens, positions, segment_ids, cache, cache_index, run.dtype, kernels)
 
     layers, held = kernels.hold(layers) if kernels.hold is not None else (layers, lambda i: {})
 

@@ -34,6 +34,10 @@
   pass (31M benchmark step: the loss and its gradient over [2048, 8192] logits, 2-core AMD EPYC Zen 4;
   docs/benchmark-history.md, "the peer's environment").
 
+* `copy.cc`, `materialized`: a float32 copy XLA cannot fuse through, so a table computed once (the RoPE
+  tables' cos and sin) is read from memory by its consumers instead of recomputed per element in each
+  (31M benchmark step: about 40 ms of ~1.5 s; docs/benchmark-history.md, "the per-layer training step").
+
 * `transpose.cc`, `transpose_into`: a plain 2-D transpose of 2- or 4-byte elements, called through ctypes
   (not XLA): the checkpoint loader's and writers' (HF stores kernels [out, in], amdllm [in, out]). numpy
   copies a transposed view an element at a time at 0.3-0.4 GB/s; the kernel's SSE tiles run at about
@@ -71,6 +75,7 @@ SOURCE = Path(__file__).with_name("rows.cc")
 TILES_SOURCE = Path(__file__).with_name("bf16_tiles.cc")
 ATTENTION_SOURCE = Path(__file__).with_name("attention.cc")
 CROSS_ENTROPY_SOURCE = Path(__file__).with_name("cross_entropy.cc")
+COPY_SOURCE = Path(__file__).with_name("copy.cc")
 TRANSPOSE_SOURCE = Path(__file__).with_name("transpose.cc")
 HEADERS = (Path(__file__).with_name("pool.h"), Path(__file__).with_name("vec.h"))  # included by every source
 MAX_ROWS = 64  # rows.cc kMaxRows: the most rows of x `rows_times` takes
@@ -85,6 +90,7 @@ AMX_FLAGS = ("amx_tile", "amx_bf16")  # /proc/cpuinfo
 TILES_FLAGS = {"amx": AMX_FLAGS, "avx512_bf16": ("avx512bw", "avx512_bf16")}  # each kind's, the faster first
 ATTENTION_TARGETS = ("amdllm_attention_fwd", "amdllm_attention_bwd", "amdllm_attention_cached")
 CROSS_ENTROPY_TARGETS = ("amdllm_cross_entropy_fwd", "amdllm_cross_entropy_bwd")
+COPY_TARGET = "amdllm_copy_f32"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 
 
@@ -429,3 +435,22 @@ def _token_nll_bwd(res, g):
 
 
 token_nll.defvjp(_token_nll_fwd, _token_nll_bwd)
+
+
+# copy.cc: a copy XLA cannot fuse through
+# --------------------------------------------------------------------------------------------------
+@functools.cache
+def copy_available() -> bool:
+    """Whether `materialized` copies here (`available()`'s conditions, for `copy.cc`; a warning says why not,
+    once)."""
+    return _register(COPY_SOURCE, (COPY_TARGET,), ("CopyF32",),
+                     "XLA recomputes the RoPE tables in every layer (slower)", what="copy")
+
+
+def materialized(x):
+    """x (float32), written to memory by `copy.cc` where that runs (`copy_available()`), else x itself: XLA
+    then cannot fuse the computation of x into x's consumers. Not differentiable through the copy: for values
+    that carry no gradient (tables computed from positions)."""
+    if x.dtype != jnp.float32 or not copy_available():
+        return x
+    return jax.ffi.ffi_call(COPY_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype), vmap_method="sequential")(x)
