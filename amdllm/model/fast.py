@@ -413,7 +413,7 @@ def step_views(layers) -> list[dict] | None:
     (zero fills 58, slice writes 57, slice reads 41); unrolled over views each residual is a buffer of its
     own, and no weight is copied out of the stack. Only where the step runs on the calling thread
     (`amdllm.cpu.run_on_caller`): dispatched to XLA's worker thread, the unrolled step's temporaries were
-    mapped afresh and faulted in on every other step (1.5 against 2.1-2.8 s). Off for narrow (bf16) bases,
+    mapped afresh and faulted in on every other step (1.5 against 2.0-2.8 s). Off for narrow (bf16) bases,
     which scan their bits one layer at a time, and for sharded weights. Compile time grows with depth.
     Same numbers as the scan (tests/test_fast.py); docs/benchmark-history.md, "per-layer training step"."""
     if (not isinstance(layers, dict) or has_bits(layers) or not cpu.runs_on_caller()

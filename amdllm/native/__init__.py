@@ -448,9 +448,10 @@ def copy_available() -> bool:
 
 
 def materialized(x):
-    """x (float32), written to memory by `copy.cc` where that runs (`copy_available()`), else x itself: XLA
-    then cannot fuse the computation of x into x's consumers. Not differentiable through the copy: for values
-    that carry no gradient (tables computed from positions)."""
+    """x copied by `copy.cc`, a custom call XLA cannot fuse through: x's consumers read it from memory instead
+    of computing x again inside each of them. x itself where x is not float32 or the kernel does not run
+    (`copy_available()`). No gradient flows through the copy: for values that carry none (tables computed
+    from positions)."""
     if x.dtype != jnp.float32 or not copy_available():
         return x
     return jax.ffi.ffi_call(COPY_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype), vmap_method="sequential")(x)
