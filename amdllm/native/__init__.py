@@ -176,7 +176,7 @@ def _register(source: Path, names, symbols, off: str, what: str | None = None) -
 def _transpose_lib():
     """transpose.cc's functions by element size, or None (one warning says why). A host-side copy: unlike
     the XLA kernels it runs whatever JAX's back end is (a GPU machine loads its checkpoints on the CPU too)."""
-    if os.environ.get("AMDLLM_NATIVE", "").strip() == "0":
+    if _disabled():
         return None
     try:
         lib = ctypes.cdll.LoadLibrary(str(build(TRANSPOSE_SOURCE)))
@@ -226,8 +226,13 @@ def transposed(a: np.ndarray) -> np.ndarray:
     return t
 
 
-def _off() -> bool:
-    return os.environ.get("AMDLLM_NATIVE", "").strip() == "0" or jax.default_backend() != "cpu"
+def _disabled() -> bool:
+    """AMDLLM_NATIVE=0: every kernel off."""
+    return os.environ.get("AMDLLM_NATIVE", "").strip() == "0"
+
+
+def _off() -> bool:  # the XLA kernels: also off the CPU back end
+    return _disabled() or jax.default_backend() != "cpu"
 
 
 @functools.cache
