@@ -56,15 +56,15 @@ def test_bf16_sharded_checkpoint_loads(tmp_path):
 @pytest.mark.parametrize("stored", ["float32", "bfloat16", "float16"])
 def test_the_c_transpose_and_numpys_load_the_same_bits(tmp_path, monkeypatch, stored):
     """Every stored dtype into every parameter dtype, HF's exact values: the kernels [in, out] are HF's
-    [out, in] transposed whichever way (`amdllm.native.transpose_into`, or numpy where it is not built)."""
-    from amdllm import native
-    assert native.transpose_into(np.empty((3, 2), np.float32), np.ones((2, 3), np.float32)), \
+    [out, in] transposed whichever way (`amdllm.native.transpose.transpose_into`, or numpy where it is not built)."""
+    from amdllm.native import transpose as host
+    assert host.transpose_into(np.empty((3, 2), np.float32), np.ones((2, 3), np.float32)), \
         "the transpose kernel did not build: see the RuntimeWarning above"
     ckpt, hf = make_hf_checkpoint(tmp_path, dtype=stored, max_shard_size="30KB")
     for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
         ours = checkpoint.load(ckpt, dtype=dtype)
         with monkeypatch.context() as m:
-            m.setattr(native, "transpose_into", lambda dst, src: False)
+            m.setattr(host, "transpose_into", lambda dst, src: False)
             _assert_bit_equal(ours, checkpoint.load(ckpt, dtype=dtype))
         want = hf.model.layers[1].mlp.down_proj.weight.detach().numpy()  # [out, in], the stored values
         got = np.asarray(ours.layers.down_proj[...][1].astype(jnp.float32)).T

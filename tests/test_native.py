@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from amdllm import native
+from amdllm.native import toolchain
+from amdllm.native import transpose as host
 from amdllm.infer.generate import Decoder, load_weights, resolve_dtype
 from amdllm.model import Run, forward, init_cache, to_pure
 from amdllm.model.dense import Dense
@@ -187,7 +189,7 @@ def test_dtype_auto_picks_what_it_documents(bf16_ckpt, tmp_path, monkeypatch):
 def test_a_kernel_that_cannot_be_built_is_a_warning_and_xla_decodes(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", "/bin/false")
     monkeypatch.setenv("AMDLLM_CACHE", str(tmp_path))
-    monkeypatch.setattr(native, "compiler", lambda: "/bin/false")
+    monkeypatch.setattr(toolchain, "compiler", lambda: "/bin/false")
     native.available.cache_clear()
     try:
         with pytest.warns(RuntimeWarning, match="row kernel is off .*false failed on rows.cc"):
@@ -209,31 +211,31 @@ def test_transpose_into_equals_numpy(dtype, rows, cols):
                                                              else np.uint32).view(jnp.dtype(dtype))
     src = big[2:2 + rows, 3:3 + cols]  # strided rows, offset start
     out = np.zeros((cols, rows + 11), src.dtype)
-    assert native.transpose_into(out[:, 4:4 + rows], src)
+    assert host.transpose_into(out[:, 4:4 + rows], src)
     assert out[:, 4:4 + rows].view(np.uint8).tobytes() == np.ascontiguousarray(src.T).view(np.uint8).tobytes()
     assert not out[:, :4].view(np.uint8).any() and not out[:, 4 + rows:].view(np.uint8).any()  # nothing else
 
 
 def test_a_transpose_kernel_that_cannot_be_built_is_a_warning_and_numpy_transposes(tmp_path, monkeypatch):
     monkeypatch.setenv("AMDLLM_CACHE", str(tmp_path))
-    monkeypatch.setattr(native, "compiler", lambda: "/bin/false")
-    native._transpose_lib.cache_clear()
+    monkeypatch.setattr(toolchain, "compiler", lambda: "/bin/false")
+    host._transpose_lib.cache_clear()
     try:
         a = np.arange(12, dtype=np.float32).reshape(3, 4)
         with pytest.warns(RuntimeWarning, match="transpose kernel is off .*false failed on transpose.cc"):
-            assert not native.transpose_into(np.empty((4, 3), np.float32), a)
-        assert np.array_equal(native.transposed(a), a.T) and native.transposed(a).flags.c_contiguous
+            assert not host.transpose_into(np.empty((4, 3), np.float32), a)
+        assert np.array_equal(host.transposed(a), a.T) and host.transposed(a).flags.c_contiguous
     finally:
-        native._transpose_lib.cache_clear()
+        host._transpose_lib.cache_clear()
 
 
 def test_transpose_into_declines_what_it_does_not_do():
     a = np.arange(12, dtype=np.float32).reshape(3, 4)
-    assert not native.transpose_into(np.empty((4, 3), np.float64), a)  # a cast
-    assert not native.transpose_into(np.empty((3, 4), np.float32), a)  # not the transposed shape
-    assert not native.transpose_into(np.empty((4, 3), np.int8), a.astype(np.int8))  # 1-byte elements
-    assert not native.transpose_into(np.empty((2, 3), np.float32), a[:, ::2])  # elements not contiguous
-    assert not native.transpose_into(np.empty((4, 3), np.float32), a[::-1])  # rows backwards
+    assert not host.transpose_into(np.empty((4, 3), np.float64), a)  # a cast
+    assert not host.transpose_into(np.empty((3, 4), np.float32), a)  # not the transposed shape
+    assert not host.transpose_into(np.empty((4, 3), np.int8), a.astype(np.int8))  # 1-byte elements
+    assert not host.transpose_into(np.empty((2, 3), np.float32), a[:, ::2])  # elements not contiguous
+    assert not host.transpose_into(np.empty((4, 3), np.float32), a[::-1])  # rows backwards
 
 
 @pytest.mark.parametrize("unstack", [False, True], ids=["views", "unstacked"])

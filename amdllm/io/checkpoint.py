@@ -9,7 +9,7 @@ How it works, and why:
   * Host memory at load is about the model itself (1.0-1.1x the checkpoint for a same-dtype load):
     each parameter's destination is allocated once, 64-byte aligned, and every HF tensor is cast and
     transposed straight into it, a slab of rows at a time, each slab's file pages released as soon as
-    it is copied (the transposes in C, `amdllm.native.transpose_into`, where it is built: numpy's run
+    it is copied (the transposes in C, `amdllm.native.transpose`, where it is built: numpy's run
     several times slower). On CPU `jax.device_put` adopts an aligned host buffer without copying it, so that
     buffer *is* the parameter; an unaligned one would be copied, holding the parameter twice.
   * With `shardings`, each parameter is created by `jax.make_array_from_callback`: every device asks
@@ -38,7 +38,7 @@ from amdllm.io.gptq_format import is_quantized, load_quantized
 from amdllm.io.names import IGNORED_SUFFIXES, NAME_TABLE, TOKENIZER_FILES
 from amdllm.io.tokenizer import copy_tokenizer
 from amdllm.model.llama import Llama, param_table
-from amdllm.native import copy_transposed, transposed
+from amdllm.native.transpose import copy_transposed, transposed
 from amdllm.parallel.sharding import activation_sharding, param_shardings
 from amdllm.io.safetensors import aligned_empty
 from amdllm.io.safetensors import (ST_DTYPES, ST_NAMES, CheckpointError, SafetensorsFile, TensorSource,

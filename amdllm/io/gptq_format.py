@@ -32,7 +32,7 @@ from amdllm.io.safetensors import CheckpointError, SafetensorsFile, aligned_empt
 from amdllm.io.tokenizer import copy_tokenizer
 from amdllm.model.llama import Llama, param_table
 from amdllm.model.qmatmul import restore_gptq
-from amdllm.native import transposed
+from amdllm.native.transpose import transposed
 from amdllm.model.quantized import (FORMAT_BITS, QUANT_KEYS, QuantFormatError, QuantLinear,  # noqa: F401
                                     check_bits, group_count, infer_bits, pack_cols, packed_logical_axes,
                                     unpack_cols)

@@ -38,15 +38,15 @@
   tables' cos and sin) is read from memory by its consumers instead of recomputed per element in each
   (31M benchmark step: about 40 ms of ~1.5 s; docs/benchmark-history.md, "the per-layer training step").
 
-* `transpose.cc`, `transpose_into`: a plain 2-D transpose of 2- or 4-byte elements, called through ctypes
-  (not XLA): the checkpoint loader's and writers' (HF stores kernels [out, in], amdllm [in, out]). numpy
-  copies a transposed view an element at a time at 0.3-0.4 GB/s; the kernel's SSE tiles run at about
-  3.4 GB/s (a [8192, 2048] bf16 kernel on a 2-core AMD EPYC Zen 4: 118 -> 10 ms). It runs whatever JAX's back
-  end is.
+* `transpose.cc` (`amdllm.native.transpose`, through ctypes, not XLA): a plain 2-D transpose of 2- or
+  4-byte elements, the checkpoint loader's and writers' (HF stores kernels [out, in], amdllm [in, out]).
+  numpy copies a transposed view an element at a time at 0.3-0.4 GB/s; the kernel's SSE tiles run at about
+  3.4 GB/s (a [8192, 2048] bf16 kernel on a 2-core AMD EPYC Zen 4: 118 -> 10 ms). It runs whatever JAX's
+  back end is.
 
 `amdllm.model.narrow` and `amdllm.model.fast` decide where each runs. Each library is compiled on first use
 with the host's C++ compiler (`$CXX`, else g++ or c++; about 5 s, once per machine) into `$AMDLLM_CACHE/native` (default
-~/.cache/amdllm/native) and loaded from there afterwards. Where one cannot be built (no compiler, another
+~/.cache/amdllm/native) and loaded from there afterwards (`amdllm.native.toolchain`). Where one cannot be built (no compiler, another
 platform) its `available()` is False, one warning says why, and XLA's way runs. `AMDLLM_NATIVE=0` turns
 all of them off (to compare).
 """
@@ -54,21 +54,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import warnings
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import jaxlib
 import numpy as np
 
 from amdllm.cpu import cpu_flags
+from amdllm.native.toolchain import build, disabled
 
 
 SOURCE = Path(__file__).with_name("rows.cc")
@@ -76,8 +70,6 @@ TILES_SOURCE = Path(__file__).with_name("bf16_tiles.cc")
 ATTENTION_SOURCE = Path(__file__).with_name("attention.cc")
 CROSS_ENTROPY_SOURCE = Path(__file__).with_name("cross_entropy.cc")
 COPY_SOURCE = Path(__file__).with_name("copy.cc")
-TRANSPOSE_SOURCE = Path(__file__).with_name("transpose.cc")
-HEADERS = (Path(__file__).with_name("pool.h"), Path(__file__).with_name("vec.h"))  # included by every source
 MAX_ROWS = 64  # rows.cc kMaxRows: the most rows of x `rows_times` takes
 F32_MAX_ROWS = 8  # rows.cc kF32MaxRows: the most rows of x `f32_rows_times` takes
 TARGETS = {False: "amdllm_bf16_rows_kn", True: "amdllm_bf16_rows_nk"}  # by `transposed`
@@ -91,59 +83,6 @@ TILES_FLAGS = {"amx": AMX_FLAGS, "avx512_bf16": ("avx512bw", "avx512_bf16")}  # 
 ATTENTION_TARGETS = ("amdllm_attention_fwd", "amdllm_attention_bwd", "amdllm_attention_cached")
 CROSS_ENTROPY_TARGETS = ("amdllm_cross_entropy_fwd", "amdllm_cross_entropy_bwd")
 COPY_TARGET = "amdllm_copy_f32"
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("AMDLLM_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "amdllm")
-    return Path(root) / "native"
-
-
-def compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
-def library_name(cxx: str, source: Path = SOURCE) -> str:
-    """The built library's file name: one per source (and the headers it includes), jaxlib, compiler and
-    CPU (-march=native code may not run on another CPU that shares the cache directory)."""
-    key = hashlib.sha256()
-    for part in (source.read_bytes(), *(h.read_bytes() for h in HEADERS), jaxlib.__version__.encode(),
-                 cxx.encode(), " ".join(FLAGS).encode(), platform.machine().encode(),
-                 " ".join(sorted(cpu_flags())).encode()):
-        key.update(part)
-        key.update(b"\0")
-    return f"{source.stem}-{key.hexdigest()[:16]}.so"
-
-
-def build(source: Path = SOURCE) -> Path:
-    """The compiled library's path, compiled now if it is not in the cache. Raises RuntimeError with the
-    reason (one line) where it cannot be built."""
-    if platform.system() != "Linux":
-        raise RuntimeError(f"built on Linux only, this is {platform.system()}")
-    cxx = compiler()
-    if cxx is None:
-        raise RuntimeError("no C++ compiler found ($CXX, g++, c++ or clang++)")
-    out = cache_dir() / library_name(cxx, source)
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)  # same directory: the rename is atomic
-    os.close(fd)
-    try:
-        cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o", tmp]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            first = next((ln for ln in done.stderr.splitlines() if "error" in ln), done.stderr.strip()[:200])
-            raise RuntimeError(f"{Path(cxx).name} failed on {source.name}: {first}")
-        os.replace(tmp, out)  # several processes building at once: each renames a whole file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
 
 
 @functools.cache
@@ -172,67 +111,8 @@ def _register(source: Path, names, symbols, off: str, what: str | None = None) -
     return True
 
 
-@functools.cache
-def _transpose_lib():
-    """transpose.cc's functions by element size, or None (one warning says why). A host-side copy: unlike
-    the XLA kernels it runs whatever JAX's back end is (a GPU machine loads its checkpoints on the CPU too)."""
-    if _disabled():
-        return None
-    try:
-        lib = ctypes.cdll.LoadLibrary(str(build(TRANSPOSE_SOURCE)))
-    except (RuntimeError, OSError) as e:
-        warnings.warn(f"amdllm.native: the transpose kernel is off ({e}); checkpoints are transposed by numpy "
-                      "(several times slower). AMDLLM_NATIVE=0 silences this.", RuntimeWarning, stacklevel=3)
-        return None
-    fns = {}
-    for size in (2, 4):
-        fn = getattr(lib, f"amdllm_transpose_{size}")
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                       ctypes.c_int64]
-        fn.restype = None
-        fns[size] = fn
-    return fns
-
-
-def transpose_into(dst: np.ndarray, src: np.ndarray) -> bool:
-    """dst[...] = src.T for 2-D arrays of one dtype of 2 or 4 bytes whose rows are strided and whose
-    elements are contiguous (any row stride: slices of larger arrays, memory-mapped files), in
-    `transpose.cc`. False, having done nothing, where it does not apply or the kernel is not available:
-    the caller copies with numpy."""
-    size = src.dtype.itemsize
-    if (src.ndim != 2 or dst.shape != src.shape[::-1] or dst.dtype != src.dtype or size not in (2, 4)
-            or src.strides[1] != size or dst.strides[1] != size or min(src.strides[0], dst.strides[0]) <= 0
-            or src.strides[0] % size or dst.strides[0] % size or not dst.flags.writeable):
-        return False
-    fns = _transpose_lib()
-    if fns is None:
-        return False
-    if src.size:
-        fns[size](src.ctypes.data, src.shape[0], src.shape[1], src.strides[0] // size, dst.ctypes.data,
-                  dst.strides[0] // size)
-    return True
-
-
-def copy_transposed(dst: np.ndarray, src: np.ndarray) -> None:
-    """dst[...] = src.T (cast to dst's dtype): `transpose_into` where it applies, else numpy."""
-    if not transpose_into(dst, src):
-        dst[...] = src.T
-
-
-def transposed(a: np.ndarray) -> np.ndarray:
-    """A contiguous copy of the 2-D array a.T (`copy_transposed`)."""
-    t = np.empty(a.shape[::-1], a.dtype)
-    copy_transposed(t, a)
-    return t
-
-
-def _disabled() -> bool:
-    """AMDLLM_NATIVE=0: every kernel off."""
-    return os.environ.get("AMDLLM_NATIVE", "").strip() == "0"
-
-
 def _off() -> bool:  # the XLA kernels: also off the CPU back end
-    return _disabled() or jax.default_backend() != "cpu"
+    return disabled() or jax.default_backend() != "cpu"
 
 
 @functools.cache
