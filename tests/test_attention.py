@@ -83,6 +83,32 @@ def test_native_cached_attention_matches_xla(T, H, Hkv, hd, S):
     np.testing.assert_allclose(np.asarray(g[0]), np.asarray(g[1]), atol=1e-5)
 
 
+def test_native_cached_attention_reads_no_slot_past_the_last_seen():
+    """A decode cache is sized for the whole generation; the kernel stops at the last slot any row of a
+    sequence sees (rounded up to whole vectors), so what lies past it is never read: inf there changes
+    nothing, and the output is the XLA version's over a zeroed tail. A row that sees no slot keeps its
+    uniform weights over every slot (the XLA version's), so that sequence still reads them all."""
+    rng = np.random.default_rng(5)
+    B, T, H, Hkv, hd, S, seen = 3, 2, 4, 2, 16, 96, 21
+    q = jnp.asarray(rng.normal(size=(B, T, H, hd)), jnp.float32)
+    k, v = (rng.normal(size=(B, Hkv, S, hd)).astype(np.float32) for _ in range(2))
+    mask = np.zeros((B, T, S), bool)
+    mask[:, 0, :seen - 1] = True
+    mask[:, 1, 3:seen] = True  # the last slot seen is seen - 1, by row 1
+    mask[2, 1] = False         # sequence 2: a row that sees nothing, so every slot is read
+    tail = 32                  # past seen, rounded up to 16 float32 lanes (AVX-512) or 8 (AVX2)
+    ref = cached_attention(q, jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask))
+    k_inf, v_inf = k.copy(), v.copy()
+    k_inf[:2, :, tail:], v_inf[:2, :, tail:] = np.inf, np.inf
+    got = fast.native_cached_attention(q, jnp.asarray(k_inf), jnp.asarray(v_inf), jnp.asarray(mask))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-6)
+    same = fast.native_cached_attention(q, jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask))
+    assert np.array_equal(np.asarray(same)[:2], np.asarray(got)[:2])
+    v_inf[2, :, tail:] = np.inf  # sequence 2 reads its whole cache: the uniform row sums the inf
+    got = fast.native_cached_attention(q, jnp.asarray(k), jnp.asarray(v_inf), jnp.asarray(mask))
+    assert not np.isfinite(np.asarray(got)[2, 1]).all() and np.isfinite(np.asarray(got)[:2]).all()
+
+
 def test_causal_attention_skips_blocks_above_the_diagonal():
     assert query_blocks(256, 64) == [(0, 64), (64, 128), (128, 192), (192, 256)]
     assert query_blocks(100, 64) == [(0, 100)]

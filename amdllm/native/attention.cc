@@ -290,6 +290,24 @@ static ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
 // S cached keys (one dot product per row and key: the rows are too few for `gemm`'s blocks), then the
 // weights multiply the values through `gemm`. XLA:CPU took about 220 us a layer for this at batch 8 and
 // 192 slots (31M model), mostly in layout changes and the softmax's passes.
+// Slots past the last one any of a sequence's rows may see are not read (`seen_slots`): a cache is sized
+// for the whole generation (or the server's longest request), and early in decoding most of it is empty.
+// Their weights would be exactly 0, so the output is the same to the bit.
+// How many of the S slots sequence b's T rows read: up to the last slot any row sees, rounded up to whole
+// vectors (so `exp_row` sums the same lanes in the same order as over all S), or all S where some row sees
+// no slot (its weights are uniform over all S, as in the XLA version).
+static int64_t seen_slots(const bool* mask, int64_t T, int64_t S) {
+  int64_t end = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    const bool* row = mask + t * S;
+    int64_t last = S;
+    while (last > 0 && !row[last - 1]) --last;
+    if (last == 0) return S;
+    end = std::max(end, last);
+  }
+  return std::min(S, (end + kLanes - 1) / kLanes * kLanes);
+}
+
 static ffi::Error Cached(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                          ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::PRED> mask, float scale,
                          ffi::ResultBuffer<ffi::F32> o) {
@@ -312,11 +330,12 @@ static ffi::Error Cached(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
     const int64_t b = item / Hkv, kh = item % Hkv;
     const float* keys = kp + item * S * hd;  // [S, hd], contiguous: the cache is head-major
     const float* vals = vp + item * S * hd;
+    const int64_t E = seen_slots(mp + b * T * S, T, S);  // slots from E on are not read
     Scratch qr(R * hd), sc(R * S), out(R * hd);
     for (int64_t t = 0; t < T; ++t)  // row t * G + g: head kh * G + g at position t
       for (int64_t g = 0; g < G; ++g)
         std::memcpy(qr.data() + (t * G + g) * hd, qp + ((b * T + t) * H + kh * G + g) * hd, hd * 4);
-    for (int64_t s = 0; s < S; ++s) {
+    for (int64_t s = 0; s < E; ++s) {
       const float* kr = keys + s * hd;
       for (int64_t r = 0; r < R; ++r) {
         const float* x = qr.data() + r * hd;
@@ -330,11 +349,11 @@ static ffi::Error Cached(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
     }
     for (int64_t r = 0; r < R; ++r) {
       float* row = sc.data() + r * S;
-      scale_mask(row, mp + (b * T + r / G) * S, S, scale);
-      const float l = exp_row(row, S, max_row(row, S)), inv = 1.f / l;
-      for (int64_t s = 0; s < S; ++s) row[s] *= inv;
+      scale_mask(row, mp + (b * T + r / G) * S, E, scale);
+      const float l = exp_row(row, E, max_row(row, E)), inv = 1.f / l;
+      for (int64_t s = 0; s < E; ++s) row[s] *= inv;
     }
-    gemm(sc.data(), S, 1, vals, hd, out.data(), hd, R, S, hd, false);  // [R, hd]
+    gemm(sc.data(), S, 1, vals, hd, out.data(), hd, R, E, hd, false);  // [R, hd]
     for (int64_t t = 0; t < T; ++t)
       for (int64_t g = 0; g < G; ++g)
         std::memcpy(op + ((b * T + t) * H + kh * G + g) * hd, out.data() + (t * G + g) * hd, hd * 4);
