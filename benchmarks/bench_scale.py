@@ -108,9 +108,10 @@ t0 = time.perf_counter()
 p = subprocess.run(sys.argv[1:], capture_output=True, text=True)
 wall = time.perf_counter() - t0
 ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+js = [line for line in p.stdout.splitlines() if line.startswith("{")]
 print(json.dumps({"rc": p.returncode, "wall_s": round(wall, 1), "cpu_s": round(ru.ru_utime + ru.ru_stime, 1),
                   "peak_rss_gb": round(ru.ru_maxrss * 1024 / 1e9, 2), "stdout": p.stdout[-4000:],
-                  "stderr": p.stderr[-3000:]}))
+                  "stderr": p.stderr[-3000:], "json": js[-1] if js else ""}))
 """
 
 
@@ -174,7 +175,7 @@ def fastest_peer(argv: list[str], command: str, env: dict | None = None, score=l
 
 def median_step(p: dict) -> float:
     """The median of the 5 steps a finetune process (peft's `--peer` side) timed."""
-    return sorted(last_json(p["stdout"]).get("step_seconds", [1e9]))[2]
+    return sorted(last_json(p).get("step_seconds", [1e9]))[2]
 
 
 def env_note(name: str, walls: dict[str, float]) -> str:
@@ -185,11 +186,10 @@ def amdllm(*args) -> list[str]:
     return [sys.executable, "-m", "amdllm.cli", *args]
 
 
-def last_json(stdout: str) -> dict:
-    for line in reversed(stdout.strip().splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    return {}
+def last_json(measured_run: dict) -> dict:
+    """The last JSON line a `measured` process printed, whole ({} if none): `stdout` keeps only its tail, and
+    `amdllm finetune --json` over per-layer views lists every layer's frozen weights (16 KB at the 1B shape)."""
+    return json.loads(measured_run["json"]) if measured_run.get("json") else {}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -390,7 +390,7 @@ def main(argv=None) -> int:
             ours = measured(amdllm("eval", "--model", str(ck), "--text", str(text), "--dtype", dt, "--json"))
             peers, name, walls = fastest_peer(me + ["eval", str(ck), str(text), dt], "eval")
             peer = peers[name]
-            o, t = last_json(ours["stdout"]), last_json(peer["stdout"])
+            o, t = last_json(ours), last_json(peer)
             row(f"eval {dt} ({o.get('tokens')} tokens)", ours, peer, "transformers",
                 f"nll {o.get('nll', float('nan')):.5f} vs {t.get('nll', float('nan')):.5f}" + env_note(name, walls),
                 ours_bytes=nbytes * (2 if dt == "float32" else 1))
@@ -414,7 +414,7 @@ def main(argv=None) -> int:
                     "--json")))
 
         def result(p):
-            o = last_json(p["stdout"])
+            o = last_json(p)
             return o[0] if isinstance(o, list) and o else o
 
         def best_of(key, field):  # -> (the best round's process, its JSON, every round's rate)
@@ -462,7 +462,7 @@ def main(argv=None) -> int:
             peers, name, walls = fastest_peer([a.gptqmodel_python, "-c", code], "quantize",
                                               env={"GPTQMODEL_CPU_WORKERS": str(os.cpu_count())})
             peer = peers[name]
-        o = last_json(ours["stdout"])
+        o = last_json(ours)
         on_disk = sum(f.stat().st_size for f in q.glob("*.safetensors"))
         row(f"quantize 4-bit g{g}, 16x256", ours, peer, "GPTQModel" if peer else "GPTQModel not installed",
             f"bf16 checkpoint; GPTQModel loads it as float32 like the course bench; model_bytes "
@@ -491,7 +491,7 @@ def main(argv=None) -> int:
             ours = measured(amdllm("finetune", "--model", str(ck), "--data", str(data), "--out", str(f), "--steps",
                                    "4", "--batch-size", "1", "--seq-len", "256", "--rank", "8", "--dtype", dt,
                                    "--no-progress", "--json"))
-            o = last_json(ours["stdout"])
+            o = last_json(ours)
             tok_s = o.get("tokens_per_second", 0)
             row(f"finetune 4 steps, 1x256, r8, --dtype {dt} (peft {peer_dt}, its faster)", ours, peer, "peft",
                 f"{tok_s:.2f} vs {256 / med[peer_dt]:.2f} tok/s ({tok_s * med[peer_dt] / 256:.2f}x; peft's median "
@@ -499,7 +499,7 @@ def main(argv=None) -> int:
     if "serve" in only:
         for dt in ("auto", "float32"):  # auto: amdllm serve's default, as generate's
             ours = measured([sys.executable, str(Path(__file__).resolve()), "--serve-once", str(ck), dt])
-            o = last_json(ours["stdout"])
+            o = last_json(ours)
             vs = (f"; {o['s_per_decoded_token'] * gen_rate[dt]:.2f}x generate's {1 / gen_rate[dt]:.4f} s a token"
                   if o.get("s_per_decoded_token") and gen_rate.get(dt) else "")
             wide = gen_dtype.get(dt, dt) == "float32"  # what generate's --dtype chose; serve chooses alike
