@@ -285,14 +285,6 @@ static ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Decoding: q [B, T, H, hd] (a few new positions) over a head-major cache k, v [B, Hkv, S, hd], mask
-// [B, T, S] -> o [B, T, H, hd]. Forward only. Each (sequence, kv head) pair's G * T query rows score its
-// S cached keys (one dot product per row and key: the rows are too few for `gemm`'s blocks), then the
-// weights multiply the values through `gemm`. XLA:CPU took about 220 us a layer for this at batch 8 and
-// 192 slots (31M model), mostly in layout changes and the softmax's passes.
-// Slots past the last one any of a sequence's rows may see are not read (`seen_slots`): a cache is sized
-// for the whole generation (or the server's longest request), and early in decoding most of it is empty.
-// Their weights would be exactly 0, so the output is the same to the bit.
 // How many of the S slots sequence b's T rows read: up to the last slot any row sees, rounded up to whole
 // vectors (so `exp_row` sums the same lanes in the same order as over all S), or all S where some row sees
 // no slot (its weights are uniform over all S, as in the XLA version).
@@ -308,6 +300,14 @@ static int64_t seen_slots(const bool* mask, int64_t T, int64_t S) {
   return std::min(S, (end + kLanes - 1) / kLanes * kLanes);
 }
 
+// Decoding: q [B, T, H, hd] (a few new positions) over a head-major cache k, v [B, Hkv, S, hd], mask
+// [B, T, S] -> o [B, T, H, hd]. Forward only. Each (sequence, kv head) pair's G * T query rows score its
+// S cached keys (one dot product per row and key: the rows are too few for `gemm`'s blocks), then the
+// weights multiply the values through `gemm`. XLA:CPU took about 220 us a layer for this at batch 8 and
+// 192 slots (31M model), mostly in layout changes and the softmax's passes.
+// Slots past the last one any of a sequence's rows may see are not read (`seen_slots`): a cache is sized
+// for the whole generation (or the server's longest request), and early in decoding most of it is empty.
+// Their weights would be exactly 0, so the output is the same to the bit.
 static ffi::Error Cached(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                          ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::PRED> mask, float scale,
                          ffi::ResultBuffer<ffi::F32> o) {
