@@ -66,6 +66,27 @@ def test_native_attention_equals_the_blocked_one_on_padding_rows_too():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=3e-6)
 
 
+def test_native_attention_widens_bf16():
+    """bf16 q, k and v: the float32 attention of the widened values rounded once to bf16, and bf16
+    gradients that are the float32 ones rounded once."""
+    q, k, v, mask, w, real = _inputs(H=4, Hkv=2, hd=16)
+    q, k, v = (a.astype(jnp.bfloat16) for a in (q, k, v))
+    wide = [a.astype(jnp.float32) for a in (q, k, v)]
+    w = w.astype(jnp.bfloat16).astype(jnp.float32)  # the bf16 output's cotangent carries no rounding
+    got, ref = fast.native_attention(q, k, v, mask), causal_attention(*wide, mask)
+    assert got.dtype == jnp.bfloat16
+    bf16_rounding = 2.0 ** -8  # half of bf16's relative spacing
+    np.testing.assert_allclose(np.asarray((got * real).astype(jnp.float32)), np.asarray(ref * real),
+                               rtol=bf16_rounding, atol=1e-6)
+    g_got = jax.grad(lambda *a: jnp.sum(fast.native_attention(*a, mask).astype(jnp.float32) * w),
+                     argnums=(0, 1, 2))(q, k, v)
+    g_ref = jax.grad(lambda *a: jnp.sum(causal_attention(*a, mask) * w), argnums=(0, 1, 2))(*wide)
+    for name, a, b in zip("qkv", g_got, g_ref):
+        assert a.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(a.astype(jnp.float32)), np.asarray(b), rtol=bf16_rounding,
+                                   atol=3e-6, err_msg=f"d{name}")
+
+
 @pytest.mark.parametrize("T,H,Hkv,hd,S", [(1, 8, 2, 64, 40), (5, 6, 3, 24, 37), (3, 4, 4, 16, 16)])
 def test_native_cached_attention_matches_xla(T, H, Hkv, hd, S):
     """The decode step's attention over a head-major cache (amdllm/native/attention.cc): the XLA version's
@@ -147,10 +168,11 @@ def test_library_attention_matches_textbook():
 
 def test_attention_implementation_by_backend(monkeypatch):
     monkeypatch.delenv("AMDLLM_ATTENTION", raising=False)
-    assert fast.attention_implementation(jnp.bfloat16) == "blocked"  # the CPU
     assert fast.attention_implementation(jnp.float32) == "native"  # the CPU, where attention.cc builds
+    assert fast.attention_implementation(jnp.bfloat16) == "native"  # widened to float32 for it
     monkeypatch.setattr(fast.native, "attention_available", lambda: False)
     assert fast.attention_implementation(jnp.float32) == "blocked"
+    assert fast.attention_implementation(jnp.bfloat16) == "blocked"
 
     class Dev:
         device_kind = "NVIDIA H200"

@@ -121,8 +121,45 @@ def test_step_views_only_for_a_float32_base_on_steps_run_by_the_caller(monkeypat
     assert fast.step_views(base) is None  # dispatched asynchronously: the scan (module doc of step_views)
     monkeypatch.setattr(cpu, "runs_on_caller", lambda: True)
     assert fast.step_views(base) is not None
-    assert fast.step_views(narrow.carry_bits(jax.tree.map(lambda a: a.astype(jnp.bfloat16), base))) is None
-    assert fast.step_views(jax.tree.map(lambda a: a.astype(jnp.bfloat16), base)) is None
+    bits = narrow.carry_bits(jax.tree.map(lambda a: a.astype(jnp.bfloat16), base))
+    # a bf16 base as bits: views where the tile kernel reads them in place
+    assert (fast.step_views(bits) is not None) == native.tiles_available()
+    monkeypatch.setattr(native, "tiles_available", lambda: False)
+    assert fast.step_views(bits) is None
+    assert fast.step_views(jax.tree.map(lambda a: a.astype(jnp.bfloat16), base)) is None  # not as bits
+    assert fast.step_views(narrow.carry_bits(jax.tree.map(lambda a: a.astype(jnp.float16), base))) is None
+
+
+@pytest.mark.parametrize("kernels_take_all", [True, False])
+def test_training_a_bf16_base_over_per_layer_views_equals_the_layer_scan(monkeypatch, kernels_take_all):
+    """A bfloat16 base as bits: unrolled over per-layer views (`step_views`), the LoRA gradients of the scan
+    (`keep_bits`, `hold_stacked`), both where every product runs on the bits (`narrow.unwidened`: no
+    checkpoint) and where XLA widens the kernels (a checkpoint that recomputes the widening)."""
+    if not kernels_take_all:  # every product widened in XLA
+        monkeypatch.setattr(narrow, "TILES_MIN_ROWS", 10 ** 6)
+        monkeypatch.setattr(narrow, "BF16_DOT_MIN_ROWS", 10 ** 6)
+        monkeypatch.setattr(narrow, "native_rows_for", lambda w, rows: False)
+    cfg = dataclasses.replace(BIG, num_hidden_layers=2)
+    m = lora.apply_lora(bf16_model(cfg), rank=4, alpha=8, targets="q,k,v,o,gate,up,down", seed=0)
+    top, layers = to_pure(m)
+    lo = {k: v for k, v in layers.items() if "lora" in k}
+    lo = {k: 0.05 * jax.random.normal(jax.random.key(i), v.shape, v.dtype) if k.endswith("_b") else v
+          for i, (k, v) in enumerate(lo.items())}  # non-zero B: A gets a gradient
+    top, base = narrow.inference_weights(top, {k: v for k, v in layers.items() if "lora" not in k})
+    views = fast._views(base)
+    toks = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 64)), jnp.int32)
+    assert narrow.unwidened(views[0], toks.size) == (kernels_take_all and cpu.has_bf16_dots())
+    run = Run(jnp.bfloat16, lora_scale=m.lora_scale)
+
+    def grad(layers_of):
+        return jax.jit(jax.grad(lambda lo: jnp.sum(fast.forward(cfg, top, layers_of(lo), toks, run=run)[0])))(lo)
+
+    want = grad(lambda lo: {**base, **lo})
+    got = grad(lambda lo: [{**v, **{k: x[i] for k, x in lo.items()}} for i, v in enumerate(views)])
+    for k in lo:
+        scale = float(jnp.abs(want[k].astype(jnp.float32)).max())
+        np.testing.assert_allclose(np.asarray(got[k], np.float32), np.asarray(want[k], np.float32),
+                                   atol=2e-2 * scale, err_msg=k)
 
 
 def test_the_rope_tables_are_computed_once_not_in_every_consumer(monkeypatch):
@@ -231,8 +268,9 @@ def test_evaluation_of_narrow_weights_widens_one_layer_at_a_time():
     btop, blayers = narrow.inference_weights(top, layers)
     bits = fn.lower(btop, blayers, toks, seg).compile().memory_analysis().temp_size_in_bytes
     assert plain > stack_f32 > 2 * bits, (plain, stack_f32, bits)  # the first: what this fixes
+    # bits and plain bf16 arrays take different products (bf16 dots into float32 against widened weights)
     np.testing.assert_allclose(np.asarray(fn(btop, blayers, toks, seg)), np.asarray(fn(top, layers, toks, seg)),
-                               rtol=1e-5)
+                               rtol=1e-4)
     logits = fast.forward(BIG, top, layers, toks, run=Run(jnp.bfloat16))[0]
     want = float(jnp.sum(llama_token_nll(logits[:, :-1], toks[:, 1:])))
     assert abs(float(fn(btop, blayers, toks, seg)[0]) - want) <= 1e-4 * abs(want)
@@ -263,6 +301,23 @@ def test_blocked_head_and_nll_equal_the_whole_head(monkeypatch, tied):
                                        np.asarray(llama.head(top, rows, jnp.float32)), rtol=1e-5, atol=1e-5)
         nll = jax.jit(narrow.token_nll_blocked, static_argnums=3)(btop, h, t, jnp.float32)
         np.testing.assert_allclose(np.asarray(nll), np.asarray(llama_token_nll(want, t)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_narrow_head_of_many_rows(tied):
+    """A bf16 head times many rows (a training step's): with the tile kernel, one call over the whole table
+    (`head_blocked`), else by blocks; either way bf16 operands into float32 sums, the logits and h's
+    gradient of the float32 head applied to the bf16-rounded values."""
+    cfg = dataclasses.replace(BIG, tie_word_embeddings=tied)
+    top, _ = to_pure(Llama(cfg, rngs=nnx.Rngs(1), param_dtype=jnp.bfloat16, dtype=jnp.float32))
+    btop, _ = narrow.inference_weights(top, {})
+    h = jax.random.normal(jax.random.key(2), (2, 96, cfg.hidden_size)).astype(jnp.bfloat16).astype(jnp.float32)
+    w = jax.random.normal(jax.random.key(3), (2, 96, cfg.vocab_size))
+    wide = jax.tree.map(lambda a: a.astype(jnp.float32), top)
+    f = lambda fn, t: jax.value_and_grad(lambda h: jnp.sum(fn(t, h, jnp.float32) * w))(h)  # noqa: E731
+    (got, g_got), (want, g_want) = jax.jit(lambda h: f(narrow.head_blocked, btop))(h), f(llama.head, wide)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(g_got), np.asarray(g_want), rtol=1e-2, atol=1e-2)  # dh: bf16 dy
 
 
 def test_greedy_decoding_of_narrow_weights_equals_the_plain_path():

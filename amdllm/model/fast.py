@@ -6,9 +6,9 @@ numbers (tests/test_fast.py checks every one against the textbook), and is on wh
     key blocks above the diagonal (10 of 16 score blocks at 4 blocks), and the backward recomputes the
     probabilities from q and k instead of keeping them: autodiff of the textbook version saves float32
     probabilities [B, H, T, T] per layer, which `lax.scan` stacks over the layers. Everywhere but on an
-    NVIDIA GPU in fp16/bf16, where cuDNN's fused attention runs instead, and on a CPU in float32, where
-    the same algorithm runs in C++ (`native_attention`, amdllm/native/attention.cc; 2.5-2.9x faster per
-    layer on the 31M step's shape) (`attention_implementation`).
+    NVIDIA GPU in fp16/bf16, where cuDNN's fused attention runs instead, and on a CPU, where the same
+    algorithm runs in C++ in float32 (`native_attention`, amdllm/native/attention.cc; 2.5-2.9x faster per
+    layer on the 31M step's shape; bf16 q, k and v are widened for it) (`attention_implementation`).
   * A hand-written SwiGLU backward (`swiglu_joined`, `swiglu_pair`): it saves only its inputs (autodiff
     also saves sigmoid(gate), silu(gate) and more, stacked per layer by the scan). Everywhere.
   * Fused projections (`qkv`, `mlp` with `fuse=True`): q/k/v and gate/up each as one matmul on
@@ -21,10 +21,11 @@ numbers (tests/test_fast.py checks every one against the textbook), and is on wh
   * Per-layer decoding (`layer_views` + the unrolled loop in `forward`): on a CPU, a decode step reads
     each layer's weights where they lie instead of XLA copying every layer's slice out of the stack
     (most of a decode step's time); zero-copy views, so no memory is spent. CPU only.
-  * Per-layer training (`step_views` + the same unrolled loop): a float32 base on a CPU whose steps run on
-    the calling thread is handed to the training and evaluation steps as per-layer views, so the layer
-    scan's stacked residuals (zero-filled, written and read back a slice at a time) are never built. CPU
-    only; the scan stays for narrow and sharded bases.
+  * Per-layer training (`step_views` + the same unrolled loop): a float32 base, or a bfloat16 one whose
+    products run in the tile kernel, on a CPU whose steps run on the calling thread is handed to the
+    training and evaluation steps as per-layer views, so the layer scan's stacked residuals (zero-filled,
+    written and read back a slice at a time) are never built. CPU only; the scan stays for other narrow
+    bases and sharded ones.
   * Narrow weights (bfloat16, float16) on a CPU: carried as their bits and widened one layer at a time,
     or multiplied as bf16 where the CPU can; the head by vocabulary blocks (`amdllm.model.narrow`).
 The XLA:CPU compiler options the jitted steps use are in `amdllm.cpu`.
@@ -48,8 +49,9 @@ from amdllm.model.attention import _scores, cached_attention, library_attention
 from amdllm.model.dense import hold_dense
 from amdllm.model.layers import lora_delta, rms_norm, rope_tables
 from amdllm.model.llama import KVCache, Kernels, LoRA, Run, block, embed, project
-from amdllm.model.narrow import (Bits, bf16_dots_for, fence, has_bits, head_blocked, hold_stacked, keep_bits,
-                                 lookup, native_decodes, native_rows_for)
+from amdllm.model.narrow import (Bits, bf16_bits, bf16_dots_for, fence, has_bits, head_blocked, hold_stacked,
+                                 keep_all_but_widening, keep_bits, lookup, native_decodes, native_rows_for,
+                                 unwidened)
 
 FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
 FUSE_MIN_ROWS = 64  # below this (decoding), copying the kernels costs more than fewer matmuls save
@@ -218,9 +220,9 @@ NATIVE_BLOCK = 32  # query positions per block in attention.cc (31M step: the sa
 def attention_implementation(dtype) -> str:
     """The attention training, evaluation and prefills run (one of ATTENTION): $AMDLLM_ATTENTION where set;
     else "cudnn" (cuDNN's fused flash attention) on an NVIDIA GPU in fp16/bf16, "native" (`native_attention`)
-    on a CPU in float32 where the native library builds, and our blocked one elsewhere: cuDNN's does not run
-    on ROCm (ROCm/jax#604) nor in float32, and on CPUs and TPUs XLA's unfused attention keeps [B, H, T, T]
-    float32 probabilities for the backward."""
+    on a CPU where the native library builds (float32, or bf16/fp16 widened to it), and our blocked one
+    elsewhere: cuDNN's does not run on ROCm (ROCm/jax#604) nor in float32, and on CPUs and TPUs XLA's
+    unfused attention keeps [B, H, T, T] float32 probabilities for the backward."""
     chosen = os.environ.get("AMDLLM_ATTENTION", "").strip()
     if chosen:
         if chosen not in ATTENTION:
@@ -229,7 +231,7 @@ def attention_implementation(dtype) -> str:
     nvidia = jax.default_backend() == "gpu" and "nvidia" in jax.devices()[0].device_kind.lower()
     if nvidia and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
         return "cudnn"
-    if jnp.dtype(dtype) == jnp.float32 and native.attention_available():  # False off the CPU
+    if jnp.issubdtype(dtype, jnp.floating) and native.attention_available():  # False off the CPU
         return "native"
     return "blocked"
 
@@ -238,14 +240,19 @@ def _all_float32(*xs) -> bool:  # what amdllm/native/attention.cc takes
     return all(jnp.dtype(x.dtype) == jnp.float32 for x in xs)
 
 
-def native_attention(q, k, v, mask, block_rows: int | None = None):
-    """`causal_attention` (same arguments and numbers, to float32 rounding) in amdllm/native/attention.cc
-    when q, k and v are float32, else the XLA version. On the 31M benchmark step's shape (batch 8 x 256, 8
-    heads over 2 kv heads, head size 64; 2-core AMD EPYC Zen 4) a layer's forward and backward took 18 ms
-    against 45-52 ms for the XLA version (`jax.jit` timings; docs/benchmark-history.md, "native attention")."""
-    if not _all_float32(q, k, v):
-        return causal_attention(q, k, v, mask, block_rows)
-    return native.causal_attention(q, k, v, mask, 1 / math.sqrt(q.shape[-1]), NATIVE_BLOCK)
+def native_attention(q, k, v, mask):
+    """`causal_attention` (same arguments and numbers, to float32 rounding) in amdllm/native/attention.cc.
+    On the 31M benchmark step's shape (batch 8 x 256, 8 heads over 2 kv heads, head size 64; 2-core AMD
+    EPYC Zen 4) a layer's forward and backward took 18 ms against 45-52 ms for the XLA version (`jax.jit`
+    timings; docs/benchmark-history.md, "native attention").
+
+    bf16 or fp16 q, k and v are widened to float32 for the kernel and its output narrowed back (their
+    gradients too): [B, T, H, hd] copies, small beside the products. The attention is then computed in
+    float32 from the narrow inputs, as PyTorch's CPU flash attention accumulates bf16 in float32; XLA:CPU
+    would widen every bf16 operand anyway. The 1B bf16 LoRA step: 97.9 -> 108.1 tokens/s on a 2-core
+    Intel Xeon (docs/benchmark-history.md, "the 1B bf16 step's attention and head")."""
+    wide = tuple(x.astype(jnp.float32) for x in (q, k, v))
+    return native.causal_attention(*wide, mask, 1 / math.sqrt(q.shape[-1]), NATIVE_BLOCK).astype(q.dtype)
 
 
 @jax.custom_vjp
@@ -297,7 +304,7 @@ def kernels_for(run: Run, layers=None) -> Kernels:
         attention = "blocked"
     alone = run.act_sharding is None and jax.default_backend() == "cpu"  # XLA:CPU, off a mesh
     k = kernels(fuse=alone, attention=attention, held_rope=alone)
-    if has_bits(layers):  # a frozen narrow base
+    if has_bits(layers) and isinstance(layers, dict):  # a frozen narrow base, scanned
         k = k._replace(checkpoint=keep_bits, hold=hold_stacked)
     return k
 
@@ -334,6 +341,10 @@ def _unrolled(cfg, top, layer_list, tokens, *, positions=None, segment_ids=None,
                      lora=LoRA(run.lora_scale, run.lora_dropout, rng))
 
     if cache is None:  # training or evaluation; a decode step is never differentiated
+        if not unwidened(layer_list, math.prod(tokens.shape)):
+            # a narrow kernel widened in XLA: keep none of the widened copies for the backward
+            kernels = kernels._replace(checkpoint=partial(jax.checkpoint, policy=keep_all_but_widening,
+                                                          prevent_cse=False))
         layer = llama.remat(layer, run, kernels)
     ks, vs = [], []
     for i, p in enumerate(layer_list):
@@ -387,9 +398,16 @@ def layer_views(layers: dict, rows: int = 1) -> list[dict] | None:
     in the native kernel at this many rows (`narrow.native_rows_for`): unrolled, XLA would widen every
     layer's bits up front, where the scan widens one at a time. Float32 projections come back as
     `dense.Dense` where the float32 row kernel takes `rows` rows (`dense.hold_dense`)."""
-    if jax.default_backend() != "cpu":
-        return None
     if has_bits(layers) and not _native_at(layers, rows):
+        return None
+    views = _views(layers)
+    return None if views is None else [hold_dense(v, rows) for v in views]
+
+
+def _views(layers: dict) -> list[dict] | None:
+    """Stacked layer weights [L, ...] as L per-layer pytrees of zero-copy views, or None (not a CPU, a
+    sharded array, a copy made)."""
+    if jax.default_backend() != "cpu":
         return None
     leaves, treedef = jax.tree.flatten(layers)
     if not leaves or any(not isinstance(a, jax.Array) or len(a.sharding.device_set) != 1 for a in leaves):
@@ -401,23 +419,30 @@ def layer_views(layers: dict, rows: int = 1) -> list[dict] | None:
     views = jax.device_put(slices, devices * L)  # one call for all L x n slices: half the time of one each
     if any(v.unsafe_buffer_pointer() != h.ctypes.data for v, h in zip(views, slices)):
         return None  # copied (e.g. a misaligned slice): not worth the memory
-    return [hold_dense(jax.tree.unflatten(treedef, views[i * n:(i + 1) * n]), rows) for i in range(L)]
+    return [jax.tree.unflatten(treedef, views[i * n:(i + 1) * n]) for i in range(L)]
 
 
 def step_views(layers) -> list[dict] | None:
-    """The stacked float32 layer weights of a frozen base as per-layer views (`layer_views`) for a training
-    or evaluation step on a CPU, or None where the step scans the stack.
+    """The stacked layer weights of a frozen base as per-layer views (`layer_views`) for a training or
+    evaluation step on a CPU, or None where the step scans the stack.
 
     Why: a scan stacks each layer's residuals into [L, ...] buffers, which XLA zero-fills, writes one slice
     a layer and reads back in the backward. In a profile of the 31M LoRA step that was ~150 ms of 1.55 s
     (zero fills 58, slice writes 57, slice reads 41); unrolled over views each residual is a buffer of its
     own, and no weight is copied out of the stack. Only where the step runs on the calling thread
     (`amdllm.cpu.run_on_caller`): dispatched to XLA's worker thread, the unrolled step's temporaries were
-    mapped afresh and faulted in on every other step (1.5 against 2.0-2.8 s). Off for narrow (bf16) bases,
-    which scan their bits one layer at a time, and for sharded weights. Compile time grows with depth.
-    Same numbers as the scan (tests/test_fast.py); docs/benchmark-history.md, "per-layer training step"."""
-    if (not isinstance(layers, dict) or has_bits(layers) or not cpu.runs_on_caller()
-            or any(jnp.dtype(a.dtype) != jnp.float32 for a in jax.tree.leaves(layers))):
+    mapped afresh and faulted in on every other step (1.5 against 2.0-2.8 s).
+    A bfloat16 base (as `Bits`) too where the tile kernel runs (`native.tiles_available`): its products
+    read each layer's bits where they lie, so nothing is widened (1B LoRA step, 2-core Intel Xeon with
+    AMX: 108-116 tokens/s scanned, 117-128 unrolled; docs/benchmark-history.md, "the 1B bf16 step's
+    attention and head"). Off for other narrow bases, which the scan widens one layer at a time, and for
+    sharded weights. Compile time grows with depth. Same numbers as the scan (tests/test_fast.py);
+    docs/benchmark-history.md, "per-layer training step"."""
+    if not isinstance(layers, dict) or not cpu.runs_on_caller():
+        return None
+    if has_bits(layers):
+        return _views(layers) if bf16_bits(layers) and native.tiles_available() else None
+    if any(jnp.dtype(a.dtype) != jnp.float32 for a in jax.tree.leaves(layers)):
         return None
     return layer_views(layers, rows=FUSE_MIN_ROWS)  # rows: no decode-only kernels (`hold_dense`)
 

@@ -214,6 +214,19 @@ def native_max_rows() -> int:
     return DECODE_MAX_ROWS if native.tiles_kind() == "amx" else min(PREFILL_MAX_ROWS, native.MAX_ROWS)
 
 
+def unwidened(tree, rows: int) -> bool:
+    """Whether a product of `rows` rows by each narrow 2-D kernel in `tree` runs on the bits as they are
+    (`bf16_dot`, the row kernel), so that no float32 copy of a weight is made, nor kept for a backward."""
+    return all(bf16_dots_for(a, rows) or native_rows_for(a, rows)
+               for a in jax.tree.leaves(tree, is_leaf=_is_bits) if _is_bits(a) and a.bits.ndim == 2)
+
+
+def bf16_bits(tree) -> bool:
+    """Whether `tree` carries narrow weights as `Bits`, and all of them bfloat16."""
+    bits = [a for a in jax.tree.leaves(tree, is_leaf=_is_bits) if _is_bits(a)]
+    return bool(bits) and all(a.dtype == jnp.bfloat16 for a in bits)
+
+
 def _zero_of(x, dtype):
     """A 0 of `dtype` that XLA computes from x's first element (and cannot fold): ordering, not data."""
     s = jax.lax.stop_gradient(x).reshape(-1)[0]
@@ -361,8 +374,10 @@ def _fold_head(top, h2, dtype, step, carry):
 
 def head_blocked(top: dict, h, dtype):
     """`layers.head` (float32 logits [..., V]) on a CPU: by vocabulary blocks when the head is narrow, so
-    it is never widened whole; a float32 head in one `head_product`. Differentiable in h (and in a plain
-    narrow head; `Bits` get none)."""
+    it is never widened whole; a float32 head in one `head_product`, and a bfloat16 one in one call of the
+    tile kernel where it runs (`bf16_dot`: the 1B bf16 LoRA step, tied head, 108 -> 123-128 tokens/s on a
+    2-core Intel Xeon; docs/benchmark-history.md, "the 1B bf16 step's attention and head"). Differentiable
+    in h (and in a plain narrow head; `Bits` get none)."""
     w, axis = _head_table(top)
     if jax.default_backend() != "cpu":
         return llama_head(top, h, dtype)
@@ -374,6 +389,10 @@ def head_blocked(top: dict, h, dtype):
         return native.f32_rows_times(h2, w).reshape(*lead, -1)
     if not _narrow(w):
         return head_product(h2, w.astype(dtype), axis == 0).reshape(*lead, -1)
+    if native.tiles_available() and bf16_dots_for(w, h2.shape[0]):
+        # the tile kernel reads the whole table where it lies and never widens it: blocks would only add
+        # a copy of each block's slice, forward and backward, and the writes into the logits
+        return bf16_dot(h2.astype(jnp.float32), w.bits, axis == 0).reshape(*lead, -1)
     V = w.shape[axis]
     out = _fold_head(top, h2, dtype, lambda o, lg, s: jax.lax.dynamic_update_slice_in_dim(o, lg, s, axis=1),
                      jnp.zeros((h2.shape[0], V), jnp.float32))

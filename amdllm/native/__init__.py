@@ -22,7 +22,8 @@
   place (`jax.jit` timings; docs/benchmark-history.md, "an AMX kernel for the frozen base" and "VDPBF16PS").
 
 * `attention.cc`, `causal_attention`: causal grouped-query attention in float32, forward and backward
-  (training, evaluation and prefill without a cache: `amdllm.model.fast.native_attention`). XLA:CPU's
+  (training, evaluation and prefill without a cache: `amdllm.model.fast.native_attention`, which widens
+  bf16 inputs to it). XLA:CPU's
   blocked attention spent about a third of its time on copies into the layouts its batched dots want; here
   each (sequence, kv head) is packed once and its query blocks run from the L2 cache (31M benchmark step's
   shape, 2-core AMD EPYC Zen 4: a layer's forward and backward 15-18 ms against 45-52 ms;
