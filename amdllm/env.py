@@ -6,10 +6,11 @@ runs everything — slowly — without a word. So the check is split in two:
   * `diagnose(facts)` is a pure function from those facts to warnings, so tests can feed any machine
     ("/dev/kfd exists, torch.version.hip = '6.2', JAX backend cpu") and check the advice.
 Also here: `malloc_env`, whether the `amdllm` command re-executes itself with glibc malloc tunables (huge
-pages; for training, freed blocks kept).
+pages), and `keep_heap`, how `amdllm finetune` keeps freed blocks in the heap once its step is compiled.
 """
 from __future__ import annotations
 
+import ctypes
 import glob
 import importlib.metadata as md
 import importlib.util
@@ -29,8 +30,11 @@ GPU_FIX = ("install the JAX GPU plugin that matches your jaxlib version — ROCm
            "jaxlib) or run in the `rocm/jax` container; CUDA: `pip install jax[cuda12]` — then check "
            "that `python -c 'import jax; print(jax.devices())'` lists the GPUs")
 HUGETLB = "glibc.malloc.hugetlb"  # glibc >= 2.35: 1 = madvise(MADV_HUGEPAGE) on the large blocks malloc maps
-HEAP_KEPT = {"glibc.malloc.mmap_max": "0", "glibc.malloc.trim_threshold": str(64 << 30)}  # freed blocks stay
-TRAINING_COMMANDS = ("finetune",)  # the commands that run a training step: they keep freed blocks (HEAP_KEPT)
+# freed blocks stay in the heap: as tunables (a peer's environment in the benchmarks), and as what `keep_heap`
+# sets through mallopt (glibc's malloc.h: M_MMAP_MAX -4, M_TRIM_THRESHOLD -1, whose -1 turns trimming off)
+HEAP_KEPT = {"glibc.malloc.mmap_max": "0", "glibc.malloc.trim_threshold": str(64 << 30)}
+HEAP_KEPT_MALLOPT = ((-4, 0), (-1, -1))
+TRAINING_COMMANDS = ("finetune",)  # the commands that run a training step: they keep freed blocks (`keep_heap`)
 THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 REEXEC_ENV = "AMDLLM_REEXEC"  # set in a command `amdllm` re-executed with HUGETLB: it never re-executes again
 
@@ -130,38 +134,55 @@ def malloc_hugetlb(environ) -> str | None:
     return malloc_tunables(environ).get(HUGETLB)
 
 
-def malloc_env(environ, command: str | None = None) -> dict | None:
-    """The environment to re-execute the `amdllm` command in with the glibc malloc tunables it wants, or None
-    where nothing changes: not Linux, AMDLLM_HUGETLB=0, already re-executed once (REEXEC_ENV), or every
-    wanted tunable named already (any value: the user's choice; the others are added).
+def malloc_env(environ) -> dict | None:
+    """The environment to re-execute the `amdllm` command in with the glibc malloc tunable it wants, or None
+    where nothing changes: not Linux, AMDLLM_HUGETLB=0, already re-executed once (REEXEC_ENV), or the
+    tunable named already (any value: the user's choice).
 
-    * glibc.malloc.hugetlb=1, every command, where glibc >= 2.35 and THP is "madvise" or "always": XLA:CPU
-      allocates a training step's temporaries afresh every step; faulting them in 4 KB pages cost ~1 s of
-      kernel time per 3.5 s step (the benchmark LoRA step on an older machine and code, both sides in the
-      same environment: 0.96x PEFT without, 1.07x with; README, "CPU speed on Linux"). PyTorch does not
-      always gain: the benchmarks run the peer in several environments (benchmarks/common.py).
-    * HEAP_KEPT (mmap_max=0, a 64 GiB trim threshold), `finetune` (TRAINING_COMMANDS), glibc >= 2.26:
-      malloc maps every block over 32 MB (its largest mmap threshold) afresh and unmaps it on free, so
-      each step faults its large temporaries in again (the 1B step: a [256, 128256] float32 logits
-      buffer, [16, 256, 8192] stacked residuals). Kept in the heap, the next step reuses them: the 1B
-      step on a 2-core Zen 4 went from 47.6-54.1 to 54.9-59.1 tokens/s in alternating runs, with the same
-      peak RSS (docs/benchmark-history.md, "VDPBF16PS and the kept heap").
-    glibc reads the variable only when the process starts, hence a new process."""
+    glibc.malloc.hugetlb=1, every command, where glibc >= 2.35 and THP is "madvise" or "always": XLA:CPU
+    allocates a training step's temporaries afresh every step; faulting them in 4 KB pages cost ~1 s of
+    kernel time per 3.5 s step (the benchmark LoRA step on an older machine and code, both sides in the
+    same environment: 0.96x PEFT without, 1.07x with; README, "CPU speed on Linux"). PyTorch does not
+    always gain: the benchmarks run the peer in several environments (benchmarks/common.py).
+    glibc reads the variable only when the process starts, hence a new process. (Freed blocks kept in the
+    heap, which a training step also wants, are set later, by `keep_heap`.)"""
     if (not sys.platform.startswith("linux") or environ.get(REEXEC_ENV)
             or (environ.get("AMDLLM_HUGETLB") or "").strip() == "0"):
         return None
-    glibc = glibc_version() or (0, 0)
-    wanted = {}
-    if glibc >= (2, 35) and thp_mode() in ("madvise", "always"):
-        wanted[HUGETLB] = "1"
-    if glibc >= (2, 26) and command in TRAINING_COMMANDS:
-        wanted.update(HEAP_KEPT)
-    named = malloc_tunables(environ)
-    added = [f"{k}={v}" for k, v in wanted.items() if k not in named]
-    if not added:
+    if (glibc_version() or (0, 0)) < (2, 35) or thp_mode() not in ("madvise", "always"):
         return None
-    tunables = ":".join([t for t in (environ.get("GLIBC_TUNABLES") or "").split(":") if t] + added)
+    if HUGETLB in malloc_tunables(environ):
+        return None
+    tunables = ":".join([t for t in (environ.get("GLIBC_TUNABLES") or "").split(":") if t] + [f"{HUGETLB}=1"])
     return {**environ, "GLIBC_TUNABLES": tunables, REEXEC_ENV: "1"}
+
+
+def keep_heap(environ=None) -> bool:
+    """From now on keep the blocks this process frees in glibc's heap (HEAP_KEPT, set by mallopt), after
+    handing the free pages the heap holds now back to the kernel (malloc_trim); True where done.
+    `amdllm finetune` calls it once its step is compiled, before the first step.
+
+    Why keep: malloc maps every block over 32 MB (its largest mmap threshold) afresh and unmaps it on free,
+    so each training step faults its large temporaries in again (the 1B step: a [256, 128256] float32
+    logits buffer); kept, the next step reuses them (the 1B step on a 2-core Zen 4: 47.6-54.1 -> 54.9-59.1
+    tokens/s; docs/benchmark-history.md, "VDPBF16PS and the kept heap"). Why only now: kept from the start
+    (as GLIBC_TUNABLES), the compiler's freed memory stays in the heap too. The 1B bf16 step's peak RSS
+    falls into two groups from run to run either way (a step's temporaries reuse the last step's freed
+    block, or not); kept from the start 4.19-4.26 or 5.0-5.08 GB, kept after the compile and a trim
+    4.03-4.09 or 4.86 GB (2-core Intel Xeon; docs/benchmark-history.md, "the kept heap after the
+    compile"). Not for a notebook's kernel, which would keep its peak for the rest of its life.
+    Skipped (False): off glibc >= 2.26, with AMDLLM_HUGETLB=0, or where GLIBC_TUNABLES names either setting
+    (the user's choice)."""
+    environ = os.environ if environ is None else environ
+    if ((glibc_version() or (0, 0)) < (2, 26) or (environ.get("AMDLLM_HUGETLB") or "").strip() == "0"
+            or any(k in malloc_tunables(environ) for k in HEAP_KEPT)):
+        return False
+    try:
+        libc = ctypes.CDLL(None)  # the process's own symbols: glibc's malloc
+        libc.malloc_trim(0)
+        return all(libc.mallopt(param, value) == 1 for param, value in HEAP_KEPT_MALLOPT)
+    except (OSError, AttributeError):
+        return False
 
 
 def _huge_page_facts() -> dict:

@@ -11,8 +11,10 @@ time (tokens/s = token positions processed per second), the spread over runs ((m
 the ratio of those medians, and the ratio per round.
 
 Environments (`common.child_plan`): the amdllm process runs with the glibc malloc tunables `amdllm finetune`
-gives itself; the peft process runs once per round in each distinct GLIBC_TUNABLES of: none, the parent's,
-and amdllm's, and the ratio is against its fastest (all are in the JSON, "peft_by_environment").
+gives itself, and keeps freed blocks in the heap after its warm-up step as the command does once its step is
+compiled (`amdllm.env.keep_heap`); the peft process runs once per round in each distinct GLIBC_TUNABLES of:
+none, the parent's, amdllm's, and amdllm's with the heap kept from the start, and the ratio is against its
+fastest (all are in the JSON, "peft_by_environment").
 
 MFU = tokens/s * FLOPs/token / peak. FLOPs/token is the planner's LoRA count (amdllm.parallel.plan):
 4N + 12*L*S*q + 6*L*r*sum(in+out), N = matmul parameters (lm_head included): forward 2N plus
@@ -68,9 +70,10 @@ def batches(a, n):
     return [rng.integers(0, a.vocab, (a.batch, a.seq + 1)).astype(np.int32) for _ in range(n)]
 
 
-def time_steps(one_step, data) -> tuple[list[float], float]:
+def time_steps(one_step, data, after_warmup=lambda: None) -> tuple[list[float], float]:
     """One untimed warm-up step (compile, allocator), then the rest back to back -> (seconds, final loss)."""
     one_step(data[0])
+    after_warmup()
     times, loss = [], None
     for w in data[1:]:
         dt, loss = one_step(w)
@@ -87,6 +90,7 @@ def amdllm_child(a) -> dict:
 
     from amdllm import train
     from amdllm.config import LlamaConfig
+    from amdllm.env import keep_heap
     from amdllm.model import Llama, lora
 
     cfg = LlamaConfig.from_dict(shape_dict(a))
@@ -110,13 +114,15 @@ def amdllm_child(a) -> dict:
         state["i"] += 1
         return time.perf_counter() - t, loss
 
-    times, loss = time_steps(one_step, batches(a, a.steps + 1))
+    times, loss = time_steps(one_step, batches(a, a.steps + 1),
+                             after_warmup=lambda: state.update(heap_kept=keep_heap()))
     measure = not os.environ.get("AMDLLM_PEAK_FLOPS") and train.accelerator_name() == "cpu"
     return {"step_seconds": times, "final_loss": loss, "params": cfg.num_params(),
             "flops_per_token": train.flops_per_token(cfg, lora.lora_info(model), a.seq),
             "device": jax.devices()[0].device_kind, "accelerator": train.accelerator_name(),
             "matmul": dict(zip(("sustained", "best"), matmul_rates(a.peak_seconds))) if measure else None,
-            "peak_flops": None if measure else train.peak_flops(), "glibc_tunables": os.environ.get(TUNABLES, "")}
+            "peak_flops": None if measure else train.peak_flops(), "glibc_tunables": os.environ.get(TUNABLES, ""),
+            "heap_kept": state["heap_kept"]}
 
 
 def peft_child(a) -> dict:

@@ -152,7 +152,8 @@ HUGETLB_ONLY = "glibc.malloc.hugetlb=1"  # the GLIBC_TUNABLES `measured` gives a
 
 def peer_envs(command: str) -> dict[str, dict | None]:
     """The environments a peer of `amdllm <command>` runs in, as bench_lora's (`common.child_plan`): GLIBC_TUNABLES
-    unset, hugetlb=1, and the command's own -> name ("unset", "hugetlb=1", "<command>'s") -> `measured`'s env."""
+    unset, hugetlb=1, and for finetune with its kept heap -> name ("unset", "hugetlb=1", "<command>'s") ->
+    `measured`'s env."""
     envs = {}
     for _, _, env in child_plan("amdllm", "peer", command, {**os.environ, "GLIBC_TUNABLES": HUGETLB_ONLY})[1:]:
         t = env.get("GLIBC_TUNABLES", "")

@@ -144,15 +144,19 @@ def child_plan(ours: str, peer: str, command: str, environ=None) -> list[tuple[s
     Our side runs in the environment the `amdllm <command>` gives itself (`amdllm.env.malloc_env`: glibc
     malloc tunables, re-executing itself), so the benchmark times what a user of the command gets. The
     peer runs in each distinct GLIBC_TUNABLES among: none (what a user of the peer has), the parent's
-    (`make bench` sets glibc.malloc.hugetlb=1), and ours; a report takes the peer's fastest (`best_peer`).
+    (`make bench` sets glibc.malloc.hugetlb=1), ours, and for a training command ours with freed blocks
+    kept in the heap (`amdllm.env.HEAP_KEPT`, which `amdllm finetune` sets once its step is compiled:
+    `keep_heap`); a report takes the peer's fastest (`best_peer`).
     Why: one environment for both sides is no fair default. On a 2-core Zen 4 VM, hugetlb=1 made
-    PyTorch's LoRA step erratic and slower (1.7-2.7 s against 1.76-1.85 s unset), while the kept heap of
-    `amdllm finetune` made it faster (1.68-1.76 s): docs/benchmark-history.md, "the peer's environment"."""
-    from amdllm.env import malloc_env
+    PyTorch's LoRA step erratic and slower (1.7-2.7 s against 1.76-1.85 s unset), while the kept heap
+    made it faster (1.68-1.76 s): docs/benchmark-history.md, "the peer's environment"."""
+    from amdllm.env import HEAP_KEPT, TRAINING_COMMANDS, malloc_env
     environ = dict(os.environ if environ is None else environ)
-    env_ours = malloc_env(environ, command) or environ
+    env_ours = malloc_env(environ) or environ
     plan, seen = [(ours, ours, env_ours)], set()
-    for tunables in ("", environ.get(TUNABLES, ""), env_ours.get(TUNABLES, "")):
+    kept = ":".join([t for t in env_ours.get(TUNABLES, "").split(":") if t]
+                    + [f"{k}={v}" for k, v in HEAP_KEPT.items()]) if command in TRAINING_COMMANDS else ""
+    for tunables in ("", environ.get(TUNABLES, ""), env_ours.get(TUNABLES, ""), kept):
         if tunables not in seen:
             seen.add(tunables)
             plan.append((peer_label(peer, tunables), peer, with_tunables(environ, tunables)))

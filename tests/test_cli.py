@@ -245,28 +245,54 @@ def test_malloc_env_decisions(huge_page_machine):
     assert env.malloc_env({}) is not None
 
 
-def test_finetune_also_keeps_freed_blocks_in_the_heap(huge_page_machine):
+def test_finetune_keeps_freed_blocks_in_the_heap_after_compiling(huge_page_machine):
+    """The heap is not kept through GLIBC_TUNABLES (from the start, the compiler's freed memory stayed in it:
+    `env.keep_heap`), but set by the training loop once its step is compiled; the user's choices win."""
     m = huge_page_machine
     heap = ":".join(f"{k}={v}" for k, v in env.HEAP_KEPT.items())
-    assert heap == "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"
-    assert env.malloc_env({}, "finetune")["GLIBC_TUNABLES"] == f"glibc.malloc.hugetlb=1:{heap}"
-    for other in ("generate", "eval", "serve", "quantize", None):
-        assert env.malloc_env({}, other)["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
-    # huge pages named already (the Makefile exports them): the heap tunables are still added, once
-    new = env.malloc_env({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}, "finetune")
-    assert new["GLIBC_TUNABLES"] == f"glibc.malloc.hugetlb=1:{heap}" and env.malloc_env(new, "finetune") is None
-    # a tunable the user named keeps the user's value
-    mine = env.malloc_env({"GLIBC_TUNABLES": "glibc.malloc.mmap_max=4"}, "finetune")["GLIBC_TUNABLES"]
-    assert mine == "glibc.malloc.mmap_max=4:glibc.malloc.hugetlb=1:glibc.malloc.trim_threshold=68719476736"
-    assert env.malloc_env({"GLIBC_TUNABLES": f"glibc.malloc.hugetlb=0:{heap}"}, "finetune") is None
-    assert env.malloc_env({"AMDLLM_HUGETLB": "0"}, "finetune") is None
-    m.setattr(env, "thp_mode", lambda: "never")  # no huge pages here: the heap alone
-    assert env.malloc_env({}, "finetune")["GLIBC_TUNABLES"] == heap
-    assert env.malloc_env({}, "generate") is None
-    m.setattr(env, "glibc_version", lambda: (2, 25))  # before glibc 2.26: neither tunable
-    assert env.malloc_env({}, "finetune") is None
-    m.setattr(env.sys, "platform", "darwin")
-    assert env.malloc_env({}) is None
+    assert heap == "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"  # the peers' form of it
+    assert env.malloc_env({})["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+    assert env.keep_heap({"GLIBC_TUNABLES": "glibc.malloc.mmap_max=4"}) is False  # named: the user's choice
+    assert env.keep_heap({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1000"}) is False
+    assert env.keep_heap({"AMDLLM_HUGETLB": "0"}) is False
+    m.setattr(env, "glibc_version", lambda: (2, 25))  # no such mallopt behaviour before glibc 2.26
+    assert env.keep_heap({}) is False
+    m.setattr(env, "glibc_version", lambda: None)  # not glibc
+    assert env.keep_heap({}) is False
+
+
+KEPT_PROBE = """
+import ctypes, sys
+from amdllm import env
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+def rss():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("RssAnon")).split()[1]) * 1024
+kept = env.keep_heap({}) if sys.argv[1] == "keep" else False
+p = libc.malloc(256 << 20)
+ctypes.memset(p, 1, 256 << 20)
+before = rss()
+libc.free(p)
+print(kept, before - rss())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or (env.glibc_version() or (0, 0)) < (2, 26),
+                    reason="glibc's malloc only")
+def test_keep_heap_keeps_a_freed_block():
+    """In a process of its own: without `keep_heap` glibc hands a freed 256 MB block back to the kernel (it
+    was mapped for it); after it, the block stays in the heap, resident, for the next allocation."""
+    out = {}
+    clean = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "AMDLLM_HUGETLB")}
+    for mode in ("keep", "plain"):
+        r = subprocess.run([sys.executable, "-c", KEPT_PROBE, mode], capture_output=True, text=True, timeout=120,
+                           env=clean, cwd=Path(__file__).resolve().parents[1])
+        assert r.returncode == 0, r.stderr
+        kept, released = r.stdout.split()
+        out[mode] = (kept == "True", int(released))
+    assert out["keep"][0] and out["keep"][1] < (16 << 20), out  # kept: at most noise released
+    assert not out["plain"][0] and out["plain"][1] > (200 << 20), out  # plain: the block goes back
 
 
 def test_machine_facts_parse(tmp_path):

@@ -37,12 +37,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _with_malloc_tunables() -> None:
-    """Run this command again, once, with the glibc malloc tunables it wants that the environment does not
-    name (amdllm.env.malloc_env: huge pages, and for `finetune` freed blocks kept in the heap; XLA:CPU's
-    training steps faster; glibc reads GLIBC_TUNABLES only when a process starts). AMDLLM_HUGETLB=0 turns
-    this off; where exec fails, the command runs as it is."""
-    command = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
-    new_env = env.malloc_env(os.environ, command)
+    """Run this command again, once, with the glibc malloc tunable it wants where the environment does not
+    name it (amdllm.env.malloc_env: huge pages, XLA:CPU's training steps faster; glibc reads GLIBC_TUNABLES
+    only when a process starts). AMDLLM_HUGETLB=0 turns this off; where exec fails, the command runs as it
+    is. (`finetune` also keeps freed blocks in the heap once its step is compiled: amdllm.env.keep_heap.)"""
+    new_env = env.malloc_env(os.environ)
     if new_env is not None:
         try:
             os.execve(sys.executable, [sys.executable, "-m", "amdllm.cli", *sys.argv[1:]], new_env)

@@ -83,7 +83,7 @@ def run(args) -> int:
                      save_every=args.save_every, keep=args.keep)
     res = finetune(model, ds, args.out, tc, eval_ds=eval_ds, tokenizer=tok, task_rows=rows, mesh=mesh,
                    rules=args.rules, resume=args.resume, progress=not args.no_progress,
-                   base_model_dir=str(model_dir), planned_bytes=planned)
+                   base_model_dir=str(model_dir), planned_bytes=planned, keep_heap=True)
     if getattr(tok, "chat_template", None) and jax.process_index() == 0:  # `serve --adapter OUT` renders alike
         atomic_write_text(Path(args.out) / TEMPLATE_FILE, tok.chat_template)
     if args.merge:

@@ -27,6 +27,7 @@ from safetensors.numpy import load_file
 from safetensors.numpy import save as st_save
 from tqdm.auto import tqdm
 
+from amdllm import env
 from amdllm.files import atomic_write_bytes, atomic_write_text, remove_stale
 from amdllm.io.peft import save_adapter
 from amdllm.model import Llama
@@ -168,7 +169,7 @@ RESUME_KEYS = ("steps", "batch_size", "grad_accum", "seq_len", "lr", "warmup", "
 def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig = TrainConfig(), *,
              eval_ds: data_mod.Dataset | None = None, tokenizer=None, task_rows=None, task_group_by=None,
              mesh=None, rules=None, resume: bool = False, progress: bool = True, base_model_dir=None,
-             planned_bytes: int | None = None) -> dict:
+             planned_bytes: int | None = None, keep_heap: bool = False) -> dict:
     """Train the LoRA factors already attached to `model` (in place); write the adapter to `out_dir`.
     Evaluations score `task_rows` by exact match (per group too with `task_group_by`, see `task_accuracy`).
 
@@ -179,7 +180,9 @@ def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig 
     With several processes (`amdllm.parallel.distributed.initialize`) every process calls this with the
     same arguments and a mesh over all devices: each places only its devices' rows of every batch, and
     process 0 alone writes (the adapter, metrics, checkpoints) and shows progress. `planned_bytes`: the
-    planner's per-device figure, printed beside XLA's for the compiled step before training.
+    planner's per-device figure, printed beside XLA's for the compiled step before training. `keep_heap`:
+    once the step is compiled, keep freed blocks in glibc's heap for the rest of the process
+    (`amdllm.env.keep_heap`; what `amdllm finetune` does, not for a notebook's kernel).
     """
     out = Path(out_dir)
     expect_model(model, "finetune")
@@ -282,6 +285,8 @@ def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig 
         run_eval(0)  # the "before" numbers: base model (B = 0, so the adapter is a no-op)
     bar = tqdm(range(start, tc.steps), initial=start, total=tc.steps, desc="finetune",
                disable=not (progress and lead), file=sys.stderr, dynamic_ncols=True)
+    if keep_heap:  # after every compile before the loop (the step's; the first evaluation's)
+        memory["heap_kept"] = env.keep_heap()
     tok_s = mfu = 0.0
     rates = []  # tokens/s of every timed step: the result reports their median, not the last step's
     t_prev = time.perf_counter()
