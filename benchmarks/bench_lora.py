@@ -221,6 +221,7 @@ def report(a, runs: dict[str, list[dict]]) -> dict:
     res["speedup_per_round"] = [t / j for j, t in zip(res["amdllm"]["step_seconds_per_run"],
                                                       res["peft"]["step_seconds_per_run"])]  # peft / amdllm
     res["glibc_tunables"] = {"amdllm": runs["amdllm"][0]["glibc_tunables"], "peft": runs[peer][0]["glibc_tunables"]}
+    res["amdllm_heap_kept"] = [r.get("heap_kept") for r in runs["amdllm"]]  # after the warm-up (env.keep_heap)
     res["load_average"] = os.getloadavg()
     return res
 
