@@ -167,12 +167,12 @@ def keep_heap(environ=None) -> bool:
     logits buffer); kept, the next step reuses them (the 1B step on a 2-core Zen 4: 47.6-54.1 -> 54.9-59.1
     tokens/s; docs/benchmark-history.md, "VDPBF16PS and the kept heap"). Why only now: kept from the start
     (as GLIBC_TUNABLES), the compiler's freed memory stays in the heap too. The 1B bf16 step's peak RSS
-    falls into two groups from run to run either way (a step's temporaries reuse the last step's freed
-    block, or not); kept from the start 4.19-4.26 or 5.0-5.08 GB, kept after the compile and a trim
+    falls into two groups from run to run either way (likely whether a step's temporaries reuse the last
+    step's freed block; not proven); kept from the start 4.19-4.26 or 5.0-5.08 GB, kept after the compile and a trim
     4.03-4.09 or 4.86 GB (2-core Intel Xeon; docs/benchmark-history.md, "the kept heap after the
     compile"). Not for a notebook's kernel, which would keep its peak for the rest of its life.
-    Skipped (False): off glibc >= 2.26, with AMDLLM_HUGETLB=0, or where GLIBC_TUNABLES names either setting
-    (the user's choice)."""
+    Skipped (False): without glibc 2.26 or newer, with AMDLLM_HUGETLB=0, or where GLIBC_TUNABLES names
+    either setting (the user's choice)."""
     environ = os.environ if environ is None else environ
     if ((glibc_version() or (0, 0)) < (2, 26) or (environ.get("AMDLLM_HUGETLB") or "").strip() == "0"
             or any(k in malloc_tunables(environ) for k in HEAP_KEPT)):
