@@ -129,6 +129,17 @@ def malloc_tunables(environ) -> dict[str, str]:
     return {name.strip(): value.strip() for name, _, value in items if name.strip()}
 
 
+def appended_tunables(environ, tunables: dict[str, str]) -> str:
+    """GLIBC_TUNABLES as `environ` has it, with `tunables` (name -> value) appended."""
+    own = [t for t in (environ.get("GLIBC_TUNABLES") or "").split(":") if t]
+    return ":".join(own + [f"{k}={v}" for k, v in tunables.items()])
+
+
+def malloc_off(environ) -> bool:
+    """Whether AMDLLM_HUGETLB=0 turns off what `amdllm` does to malloc (`malloc_env`, `keep_heap`)."""
+    return (environ.get("AMDLLM_HUGETLB") or "").strip() == "0"
+
+
 def malloc_hugetlb(environ) -> str | None:
     """The value GLIBC_TUNABLES gives glibc.malloc.hugetlb; None where unnamed."""
     return malloc_tunables(environ).get(HUGETLB)
@@ -146,15 +157,13 @@ def malloc_env(environ) -> dict | None:
     always gain: the benchmarks run the peer in several environments (benchmarks/common.py).
     glibc reads the variable only when the process starts, hence a new process. (Freed blocks kept in the
     heap, which a training step also wants, are set later, by `keep_heap`.)"""
-    if (not sys.platform.startswith("linux") or environ.get(REEXEC_ENV)
-            or (environ.get("AMDLLM_HUGETLB") or "").strip() == "0"):
+    if not sys.platform.startswith("linux") or environ.get(REEXEC_ENV) or malloc_off(environ):
         return None
     if (glibc_version() or (0, 0)) < (2, 35) or thp_mode() not in ("madvise", "always"):
         return None
     if HUGETLB in malloc_tunables(environ):
         return None
-    tunables = ":".join([t for t in (environ.get("GLIBC_TUNABLES") or "").split(":") if t] + [f"{HUGETLB}=1"])
-    return {**environ, "GLIBC_TUNABLES": tunables, REEXEC_ENV: "1"}
+    return {**environ, "GLIBC_TUNABLES": appended_tunables(environ, {HUGETLB: "1"}), REEXEC_ENV: "1"}
 
 
 def keep_heap(environ=None) -> bool:
@@ -174,7 +183,7 @@ def keep_heap(environ=None) -> bool:
     Skipped (False): without glibc 2.26 or newer, with AMDLLM_HUGETLB=0, or where GLIBC_TUNABLES names
     either setting (the user's choice)."""
     environ = os.environ if environ is None else environ
-    if ((glibc_version() or (0, 0)) < (2, 26) or (environ.get("AMDLLM_HUGETLB") or "").strip() == "0"
+    if ((glibc_version() or (0, 0)) < (2, 26) or malloc_off(environ)
             or any(k in malloc_tunables(environ) for k in HEAP_KEPT)):
         return False
     try:

@@ -150,12 +150,11 @@ def child_plan(ours: str, peer: str, command: str, environ=None) -> list[tuple[s
     Why: one environment for both sides is no fair default. On a 2-core Zen 4 VM, hugetlb=1 made
     PyTorch's LoRA step erratic and slower (1.7-2.7 s against 1.76-1.85 s unset), while the kept heap
     made it faster (1.68-1.76 s): docs/benchmark-history.md, "the peer's environment"."""
-    from amdllm.env import HEAP_KEPT, TRAINING_COMMANDS, malloc_env
+    from amdllm.env import HEAP_KEPT, TRAINING_COMMANDS, appended_tunables, malloc_env
     environ = dict(os.environ if environ is None else environ)
     env_ours = malloc_env(environ) or environ
     plan, seen = [(ours, ours, env_ours)], set()
-    kept = ":".join([t for t in env_ours.get(TUNABLES, "").split(":") if t]
-                    + [f"{k}={v}" for k, v in HEAP_KEPT.items()]) if command in TRAINING_COMMANDS else ""
+    kept = appended_tunables(env_ours, HEAP_KEPT) if command in TRAINING_COMMANDS else ""
     for tunables in ("", environ.get(TUNABLES, ""), env_ours.get(TUNABLES, ""), kept):
         if tunables not in seen:
             seen.add(tunables)
