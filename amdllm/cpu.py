@@ -71,7 +71,7 @@ def run_on_caller() -> bool:
     back ends have not started yet (the setting is read once, when the CPU client is made); returns
     whether this process runs that way (`runs_on_caller`). `amdllm finetune` asks for it before anything
     touches a device: a training step's loop waits for each step's loss anyway, so nothing overlaps that
-    dispatch would have hidden, and the per-layer training step (`amdllm.model.fast.step_views`) needs it.
+    dispatch would have hidden, and the per-layer training step (`amdllm.model.views.step_views`) needs it.
     Computations over several devices are dispatched as before."""
     if not xla_bridge.backends_are_initialized():
         jax.config.update(ASYNC_DISPATCH, False)

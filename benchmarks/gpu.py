@@ -168,9 +168,9 @@ def random_int4(model, group_size=128, seed=0):
 
 def per_layer_copies(layers: dict) -> list[dict]:
     """Stacked layer weights [L, ...] as L per-layer dicts, copied on the device (the weights' memory twice).
-    `amdllm.model.fast.layer_views` makes such views without copying on a CPU only; this lets a GPU run the
+    `amdllm.model.views.layer_views` makes such views without copying on a CPU only; this lets a GPU run the
     same unrolled decode step, to see what the layer scan costs there."""
-    from amdllm.model.fast import layer_slices
+    from amdllm.model.views import layer_slices
     return layer_slices(layers)  # outside jit: each slice is a copy
 
 

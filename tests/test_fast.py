@@ -14,7 +14,7 @@ from flax import nnx
 
 from amdllm.config import LlamaConfig
 from amdllm import cpu, native
-from amdllm.model import fast, llama, lora, narrow
+from amdllm.model import fast, llama, lora, narrow, views as views_mod
 from amdllm.model import layers as layers_mod
 from amdllm.model.llama import Llama, Run, logit_tolerance, to_pure
 from amdllm.quant import QuantSpec, quantize_model
@@ -98,7 +98,7 @@ def test_training_over_per_layer_views_equals_the_layer_scan(monkeypatch, remat)
     top, layers = to_pure(m)
     lo = {k: v for k, v in layers.items() if "lora" in k}
     base = {k: v for k, v in layers.items() if "lora" not in k}
-    views = fast.step_views(base)
+    views = views_mod.step_views(base)
     assert len(views) == CFG.num_hidden_layers
     assert views[1]["down_proj"].unsafe_buffer_pointer() == np.asarray(base["down_proj"])[1].ctypes.data
     toks, run = tokens(4, 32), Run(lora_scale=m.lora_scale, lora_dropout=0.25, remat=remat)
@@ -118,16 +118,16 @@ def test_step_views_only_for_a_float32_base_on_steps_run_by_the_caller(monkeypat
     m = model()
     base = {k: v for k, v in to_pure(m)[1].items() if "lora" not in k}
     monkeypatch.setattr(cpu, "runs_on_caller", lambda: False)
-    assert fast.step_views(base) is None  # dispatched asynchronously: the scan (module doc of step_views)
+    assert views_mod.step_views(base) is None  # dispatched asynchronously: the scan (module doc of step_views)
     monkeypatch.setattr(cpu, "runs_on_caller", lambda: True)
-    assert fast.step_views(base) is not None
+    assert views_mod.step_views(base) is not None
     bits = narrow.carry_bits(jax.tree.map(lambda a: a.astype(jnp.bfloat16), base))
     # a bf16 base as bits: views where the tile kernel reads them in place
-    assert (fast.step_views(bits) is not None) == native.tiles_available()
+    assert (views_mod.step_views(bits) is not None) == native.tiles_available()
     monkeypatch.setattr(native, "tiles_available", lambda: False)
-    assert fast.step_views(bits) is None
-    assert fast.step_views(jax.tree.map(lambda a: a.astype(jnp.bfloat16), base)) is None  # not as bits
-    assert fast.step_views(narrow.carry_bits(jax.tree.map(lambda a: a.astype(jnp.float16), base))) is None
+    assert views_mod.step_views(bits) is None
+    assert views_mod.step_views(jax.tree.map(lambda a: a.astype(jnp.bfloat16), base)) is None  # not as bits
+    assert views_mod.step_views(narrow.carry_bits(jax.tree.map(lambda a: a.astype(jnp.float16), base))) is None
 
 
 @pytest.mark.parametrize("kernels_take_all", [True, False])
@@ -146,7 +146,7 @@ def test_training_a_bf16_base_over_per_layer_views_equals_the_layer_scan(monkeyp
     lo = {k: 0.05 * jax.random.normal(jax.random.key(i), v.shape, v.dtype) if k.endswith("_b") else v
           for i, (k, v) in enumerate(lo.items())}  # non-zero B: A gets a gradient
     top, base = narrow.inference_weights(top, {k: v for k, v in layers.items() if "lora" not in k})
-    views = fast._views(base)
+    views = views_mod._views(base)
     toks = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 64)), jnp.int32)
     assert narrow.unwidened(views[0], toks.size) == (kernels_take_all and cpu.has_bf16_dots())
     run = Run(jnp.bfloat16, lora_scale=m.lora_scale)
@@ -169,7 +169,7 @@ def test_the_rope_tables_are_computed_once_not_in_every_consumer(monkeypatch):
     m = model()
     top, layers = to_pure(m)
     lo = {k: v for k, v in layers.items() if "lora" in k}
-    views = fast.step_views({k: v for k, v in layers.items() if "lora" not in k})
+    views = views_mod.step_views({k: v for k, v in layers.items() if "lora" not in k})
 
     def cosines():
         grad = jax.jit(jax.grad(lambda lo: jnp.sum(fast.forward(
@@ -206,12 +206,12 @@ def test_per_layer_decoding_equals_textbook_cache():
     m = model()
     top, layers = to_pure(m)
     run = Run(lora_scale=m.lora_scale)
-    views = fast.layer_views(layers)
+    views = views_mod.layer_views(layers)
     assert views is not None and len(views) == CFG.num_hidden_layers
     toks = tokens(2, 9)
     out = {}
     for name, fwd, w, cache in (("textbook", llama.forward, layers, llama.init_cache(CFG, 2, 16)),
-                                ("fast", fast.forward, views, fast.init_cache(CFG, 2, 16, per_layer=True))):
+                                ("fast", fast.forward, views, views_mod.init_cache(CFG, 2, 16, per_layer=True))):
         first, cache = fwd(CFG, top, w, toks[:, :8], cache=cache, cache_index=0, run=run)
         step, cache = fwd(CFG, top, w, toks[:, 8:], cache=cache, cache_index=8, run=run)
         out[name] = (np.asarray(first), np.asarray(step))
@@ -243,14 +243,14 @@ def test_bits_share_memory_and_read_back_exactly():
     np.testing.assert_array_equal(np.asarray(b.value()), np.asarray(layers["gate_proj"]))
     # decoding: per-layer views of the bits where the native kernel reads them (a few rows; a short prefill
     # without AMX); else the scan (one layer widened at a time)
-    views = fast.layer_views(blayers, rows=1)
+    views = views_mod.layer_views(blayers, rows=1)
     assert views is not None and views[1]["gate_proj"].bits.unsafe_buffer_pointer() == (
         b.bits.unsafe_buffer_pointer() + b.bits[0].size * 2)
-    assert fast.layer_views(blayers, rows=narrow.native_max_rows() + 1) is None
+    assert views_mod.layer_views(blayers, rows=narrow.native_max_rows() + 1) is None
     # a short prefill runs over the views too, a longer one scans the stack
-    assert fast.prefill_layers(blayers, views, narrow.native_max_rows()) is views
-    assert fast.prefill_layers(blayers, views, narrow.native_max_rows() + 1) is blayers
-    assert fast.prefill_layers(layers, fast.layer_views(layers), 1) is layers  # float32: always the scan
+    assert views_mod.prefill_layers(blayers, views, narrow.native_max_rows()) is views
+    assert views_mod.prefill_layers(blayers, views, narrow.native_max_rows() + 1) is blayers
+    assert views_mod.prefill_layers(layers, views_mod.layer_views(layers), 1) is layers  # float32: always the scan
 
 
 def test_evaluation_of_narrow_weights_widens_one_layer_at_a_time():

@@ -25,7 +25,7 @@ from amdllm.native import transpose as host
 from amdllm.infer.generate import Decoder, load_weights, resolve_dtype
 from amdllm.model import Run, forward, init_cache, to_pure
 from amdllm.model.dense import Dense
-from amdllm.model.fast import layer_views, prefill_layers
+from amdllm.model.views import layer_views, prefill_layers
 from amdllm.model.narrow import Bits, inference_weights, native_max_rows
 from tests.tiny import make_hf_checkpoint
 

@@ -46,7 +46,7 @@ from amdllm.infer.batch_cache import HeldCache, pad_slots, put_row, roll_slots, 
 from amdllm.infer.decode import inference_run, last_logits, sample_rows, sampling_mode, step_logits
 from amdllm.model import KVCache, to_pure
 from amdllm.cpu import cpu_compiler_options
-from amdllm.model.fast import init_cache, layer_slices, layer_views, prefill_layers
+from amdllm.model.views import init_cache, layer_slices, layer_views, prefill_layers
 from amdllm.model.narrow import inference_weights
 from amdllm.io.tokenizer import pad_id as tokenizer_pad_id
 

@@ -35,7 +35,7 @@ from amdllm.io.tokenizer import load_tokenizer, pad_id
 from amdllm.infer.decode import inference_run, last_logits, sample_token, sampling_mode, step_logits
 from amdllm.model import KVCache, to_pure
 from amdllm.cpu import cpu_compiler_options
-from amdllm.model.fast import init_cache, layer_slices, layer_views, prefill_layers, split_cache
+from amdllm.model.views import init_cache, layer_slices, layer_views, prefill_layers, split_cache
 from amdllm.model.narrow import inference_weights
 from amdllm.model.qmatmul import default_route, on_gpu, prepare_kernels
 from amdllm.model.quantized import QuantFormatError

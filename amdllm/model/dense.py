@@ -7,7 +7,7 @@ keeps the sums in registers down a band of the weights' rows instead (31M benchm
 8-row step 9.9-10.3 -> 8.0-8.5 ms; a 1-row step unchanged within the noise, about 4.9 ms;
 docs/benchmark-history.md, "float32 decoding").
 
-  * `hold_dense`: a decode step's per-layer float32 kernels (`amdllm.model.fast.layer_views`) as `Dense`,
+  * `hold_dense`: a decode step's per-layer float32 kernels (`amdllm.model.views.layer_views`) as `Dense`,
     which `layers.linear` hands its rows (`Dense.matmul`).
   * `dense_rows_for`: whether a product runs there; the output head asks it too (`narrow.head_blocked`).
 Up to `native.F32_MAX_ROWS` rows, float32 operands, on the CPU back end where the kernel was built; XLA's

@@ -18,14 +18,10 @@ numbers (tests/test_fast.py checks every one against the textbook), and is on wh
     the tensor rules split `out`, where a concat would move data.
   * The decode step's attention over the cache in C++ on a CPU in float32 (`native_cached_attention`,
     amdllm/native/attention.cc; 3.6x XLA's at batch 8 over 192 slots).
-  * Per-layer decoding (`layer_views` + the unrolled loop in `forward`): on a CPU, a decode step reads
-    each layer's weights where they lie instead of XLA copying every layer's slice out of the stack
-    (most of a decode step's time); zero-copy views, so no memory is spent. CPU only.
-  * Per-layer training (`step_views` + the same unrolled loop): a float32 base, or a bfloat16 one whose
-    products run in the tile kernel, on a CPU whose steps run on the calling thread is handed to the
-    training and evaluation steps as per-layer views, so the layer scan's stacked residuals (zero-filled,
-    written and read back a slice at a time) are never built. CPU only; the scan stays for other narrow
-    bases and sharded ones.
+  * Per-layer decoding and training: `layers` may be a list of per-layer dicts (`amdllm.model.views`:
+    zero-copy views of the stack on a CPU), which run as an unrolled loop (`_unrolled`). A decode step
+    then reads each layer's weights where they lie instead of XLA copying every layer's slice out of the
+    stack; a training step builds no stacked residuals. CPU only; the scan stays elsewhere.
   * Narrow weights (bfloat16, float16) on a CPU: carried as their bits and widened one layer at a time,
     or multiplied as bf16 where the CPU can; the head by vocabulary blocks (`amdllm.model.narrow`).
 The XLA:CPU compiler options the jitted steps use are in `amdllm.cpu`.
@@ -42,16 +38,14 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from amdllm import native
-import amdllm.cpu as cpu
 from amdllm.config import LlamaConfig
 import amdllm.model.llama as llama
 from amdllm.model.attention import _scores, cached_attention, library_attention
-from amdllm.model.dense import hold_dense
 from amdllm.model.layers import lora_delta, rms_norm, rope_tables
 from amdllm.model.llama import KVCache, Kernels, LoRA, Run, block, embed, project
-from amdllm.model.narrow import (Bits, bf16_bits, bf16_dots_for, fence, has_bits, head_blocked, hold_stacked,
-                                 keep_all_but_widening, keep_bits, lookup, native_decodes, native_rows_for,
-                                 unwidened)
+from amdllm.model.narrow import (Bits, bf16_dots_for, fence, has_bits, head_blocked, hold_stacked,
+                                 keep_all_but_widening, keep_bits, lookup, native_rows_for, unwidened)
+from amdllm.model.views import split_cache
 
 FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
 FUSE_MIN_ROWS = 64  # below this (decoding), copying the kernels costs more than fewer matmuls save
@@ -311,9 +305,10 @@ def kernels_for(run: Run, layers=None) -> Kernels:
 
 def forward(cfg: LlamaConfig, top: dict, layers, tokens, *, run: Run = Run(), **kw):
     """`llama.forward` (same arguments and results) with the fast kernels. `layers` may also be a list of
-    per-layer dicts (`layer_views`): the layers then run as an unrolled loop, with a per-layer cache
-    (tuples, `init_cache(per_layer=True)`) or a stacked one; a per-layer cache also works with stacked
-    layers (a prefill scans the stacked weights and hands the decode steps a per-layer cache)."""
+    per-layer dicts (`views.layer_views`, `views.step_views`): the layers then run as an unrolled loop,
+    with a per-layer cache (tuples, `views.init_cache(per_layer=True)`) or a stacked one; a per-layer
+    cache also works with stacked layers (a prefill scans the stacked weights and hands the decode steps
+    a per-layer cache)."""
     k = kernels_for(run, layers)
     cache = kw.get("cache")
     per_layer_cache = cache is not None and isinstance(cache.k, (tuple, list))
@@ -360,105 +355,3 @@ def _unrolled(cfg, top, layer_list, tokens, *, positions=None, segment_ids=None,
         stacked = not isinstance(cache.k, (tuple, list))
         new = KVCache(jnp.stack(ks) if stacked else tuple(ks), jnp.stack(vs) if stacked else tuple(vs), valid)
     return x, new
-
-
-# --------------------------------------------------------------------------------------------------
-# Per-layer decoding on a CPU
-# --------------------------------------------------------------------------------------------------
-def init_cache(cfg: LlamaConfig, batch: int, max_len: int, dtype=jnp.float32, per_layer: bool = False
-               ) -> KVCache:
-    """`llama.init_cache`, or with per_layer=True one [B, Hkv, S, hd] array per layer (for `layer_views`)."""
-    cache = llama.init_cache(cfg, batch, max_len, dtype)
-    return split_cache(cache) if per_layer else cache
-
-
-def layer_slices(layers) -> list:
-    """Stacked layer weights [L, ...] as L per-layer pytrees of the slices a[i]. Inside jit these are static
-    slices that XLA reads where they lie (the decode step on a GPU: `Decoder(unstack=)`,
-    `Engine(unstack=True)`); outside jit each is a copy."""
-    L = jax.tree.leaves(layers)[0].shape[0]
-    return [jax.tree.map(lambda a, i=i: a[i], layers) for i in range(L)]
-
-
-def split_cache(cache: KVCache) -> KVCache:
-    """A stacked cache as per-layer tuples (inside a jit: one copy; e.g. after a scanned prefill)."""
-    if isinstance(cache.k, (tuple, list)):
-        return cache
-    L = cache.k.shape[0]
-    return KVCache(tuple(cache.k[i] for i in range(L)), tuple(cache.v[i] for i in range(L)), cache.valid)
-
-
-def layer_views(layers: dict, rows: int = 1) -> list[dict] | None:
-    """Stacked layer weights [L, ...] as L per-layer dicts that share their memory, or None; for a decode
-    step of `rows` rows.
-
-    On the CPU, `jax.device_put` of a numpy view of an array's buffer makes no copy, and we check that it
-    did not. None where that does not hold (an accelerator, a sharded array, a copy made): the decode
-    step then scans the stacked weights. Narrow weights (`Bits`) are viewed only where every kernel runs
-    in the native kernel at this many rows (`narrow.native_rows_for`): unrolled, XLA would widen every
-    layer's bits up front, where the scan widens one at a time. Float32 projections come back as
-    `dense.Dense` where the float32 row kernel takes `rows` rows (`dense.hold_dense`)."""
-    if has_bits(layers) and not _native_at(layers, rows):
-        return None
-    views = _views(layers)
-    return None if views is None else [hold_dense(v, rows) for v in views]
-
-
-def _views(layers: dict) -> list[dict] | None:
-    """Stacked layer weights [L, ...] as L per-layer pytrees of zero-copy views, or None (not a CPU, a
-    sharded array, a copy made)."""
-    if jax.default_backend() != "cpu":
-        return None
-    leaves, treedef = jax.tree.flatten(layers)
-    if not leaves or any(not isinstance(a, jax.Array) or len(a.sharding.device_set) != 1 for a in leaves):
-        return None
-    host = [np.asarray(a) for a in leaves]  # zero-copy on the CPU
-    devices = [next(iter(a.sharding.device_set)) for a in leaves]
-    L, n = leaves[0].shape[0], len(leaves)
-    slices = [h[i] for i in range(L) for h in host]
-    views = jax.device_put(slices, devices * L)  # one call for all L x n slices: half the time of one each
-    if any(v.unsafe_buffer_pointer() != h.ctypes.data for v, h in zip(views, slices)):
-        return None  # copied (e.g. a misaligned slice): not worth the memory
-    return [jax.tree.unflatten(treedef, views[i * n:(i + 1) * n]) for i in range(L)]
-
-
-def step_views(layers) -> list[dict] | None:
-    """The stacked layer weights of a frozen base as per-layer views (`layer_views`) for a training or
-    evaluation step on a CPU, or None where the step scans the stack.
-
-    Why: a scan stacks each layer's residuals into [L, ...] buffers, which XLA zero-fills, writes one slice
-    a layer and reads back in the backward. In a profile of the 31M LoRA step that was ~150 ms of 1.55 s
-    (zero fills 58, slice writes 57, slice reads 41); unrolled over views each residual is a buffer of its
-    own, and no weight is copied out of the stack. Only where the step runs on the calling thread
-    (`amdllm.cpu.run_on_caller`): dispatched to XLA's worker thread, the unrolled step's temporaries were
-    mapped afresh and faulted in on every other step (1.5 against 2.0-2.8 s).
-    A bfloat16 base (as `Bits`) too where the tile kernel runs (`native.tiles_available`): its products
-    read each layer's bits where they lie, so nothing is widened (1B LoRA step, 2-core Intel Xeon with
-    AMX: 108-116 tokens/s scanned, 117-128 unrolled; docs/benchmark-history.md, "the 1B bf16 step's
-    attention and head"). Off for other narrow bases, which the scan widens one layer at a time, and for
-    sharded weights. Compile time grows with depth. Same numbers as the scan (tests/test_fast.py);
-    docs/benchmark-history.md, "per-layer training step"."""
-    if not isinstance(layers, dict) or not cpu.runs_on_caller():
-        return None
-    if has_bits(layers):
-        return _views(layers) if bf16_bits(layers) and native.tiles_available() else None
-    if any(jnp.dtype(a.dtype) != jnp.float32 for a in jax.tree.leaves(layers)):
-        return None
-    return layer_views(layers, rows=FUSE_MIN_ROWS)  # rows: no decode-only kernels (`hold_dense`)
-
-
-def _native_at(layers, rows: int) -> bool:
-    """Whether every stacked narrow kernel in `layers` takes `rows` rows in the native kernel."""
-    stacked = [a for a in jax.tree.leaves(layers, is_leaf=lambda a: isinstance(a, Bits)) if isinstance(a, Bits)]
-    return all(native_decodes(a.dtype, rows) for a in stacked if a.bits.ndim == 3)
-
-
-def prefill_layers(layers, views, rows: int):
-    """What a prefill of `rows` rows runs over: the per-layer `views` (`layer_views`) where the weights are
-    narrow bits and every kernel takes that many rows in the native kernel, else the stacked `layers`
-    (a scan). Unrolled, the kernel reads each layer's weights where they lie; the scan would copy each
-    layer's slice out of the stack first (1B shape, bf16, 2-core EPYC, one 16-token prompt: 0.40 s against
-    0.82 s scanned, and 1.0-1.3 s widening every matrix to float32; docs/benchmark-history.md)."""
-    if views is None or not has_bits(layers) or not _native_at(layers, rows):
-        return layers
-    return views

@@ -86,7 +86,7 @@ class Run:
 
 
 class Kernels(NamedTuple):
-    """How a block computes its heavy parts. TEXTBOOK below; `amdllm.model.fast.KERNELS` is faster."""
+    """How a block computes its heavy parts. TEXTBOOK below; `amdllm.model.fast.kernels` are faster."""
     qkv: Callable     # (p, h [B,T,D], lora) -> (q [B,T,H*hd], k, v [B,T,Hkv*hd])
     attend: Callable  # (q [B,T,H,hd], k, v [B,T,Hkv,hd], mask [B,T,T]) -> [B,T,H,hd]; no cache
     mlp: Callable     # (p, h [B,T,D], lora) -> silu(h W_gate) * (h W_up) [B,T,F]

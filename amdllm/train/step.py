@@ -28,7 +28,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from amdllm.model import Llama, LoRAParam, forward, to_pure
-import amdllm.model.fast as fast
+import amdllm.model.views as views
 from amdllm.model.loss import nll_for
 from amdllm.cpu import cpu_compiler_options
 import amdllm.parallel.plan as plan
@@ -113,12 +113,13 @@ def top_and_layers(trained, frozen, full: bool = False) -> tuple[dict, dict]:
 
 def step_frozen(frozen: dict) -> dict:
     """The frozen weights as the training and evaluation steps take them fastest: the stacked layers as
-    per-layer views where `amdllm.model.fast.step_views` says so (a float32 base on a CPU that runs steps
-    on the calling thread), else as they are. The views share the stack's memory and are committed to
-    their device: place the trained state there too (`jax.device_put`), or a plain `jax.jit` step compiles
-    twice (its first outputs come back committed). Outside jit."""
-    views = fast.step_views(frozen.get("layers"))
-    return frozen if views is None else {**frozen, "layers": views}
+    per-layer views where `amdllm.model.views.step_views` says so (a float32 base, or a bfloat16 one the
+    tile kernel multiplies, on a CPU that runs steps on the calling thread), else as they are. The views
+    share the stack's memory and are committed to their device: place the trained state there too
+    (`jax.device_put`), or a plain `jax.jit` step compiles twice (its first outputs come back committed).
+    Outside jit."""
+    per_layer = views.step_views(frozen.get("layers"))
+    return frozen if per_layer is None else {**frozen, "layers": per_layer}
 
 
 def loss_sums(trained, frozen, batch, rng, *, model: Llama, full: bool = False):
