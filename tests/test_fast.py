@@ -51,6 +51,25 @@ def test_logits_equal_textbook(targets, B, T):
     assert np.abs(got - want).max() <= logit_tolerance(CFG, np.abs(want).max())
 
 
+@pytest.mark.parametrize("B,want", [(1, False), (2, True)])  # 64 rows < in = 128 <= 128 rows
+def test_a_joined_kernel_only_where_no_larger_than_its_output(B, want):
+    """q/k/v and gate/up run as one matmul each only where the joined kernel [in, sum(out)] is no larger than
+    the output (`fast.fuses`): autodiff keeps it for the backward pass, every layer's at once. Read off
+    the compiled LoRA gradient: a concatenate of that shape exists exactly where the group is fused."""
+    cfg = dataclasses.replace(CFG, hidden_size=128)
+    m = lora.apply_lora(Llama(cfg, rngs=nnx.Rngs(0)), rank=4, alpha=8)
+    top, layers = to_pure(m)
+    lo = {k: v for k, v in layers.items() if "lora" in k}
+    base = {k: v for k, v in layers.items() if "lora" not in k}
+    toks = jnp.zeros((B, 64), jnp.int32)
+    assert fast.fuses(toks.size, cfg.hidden_size) == want
+    grad = jax.jit(jax.grad(lambda lo: jnp.sum(fast.forward(cfg, top, {**base, **lo}, toks,
+                                                            run=Run(lora_scale=m.lora_scale))[0])))
+    hlo = grad.lower(lo).compile().as_text()
+    joined = re.search(rf"f32\[(2,)?128,{2 * cfg.intermediate_size}\]\{{[^}}]*\}} concatenate\(", hlo)
+    assert bool(joined) == (want and jax.default_backend() == "cpu")
+
+
 def test_lora_gradients_equal_textbook():
     """The backward passes: blocked attention (recomputing), SwiGLU (hand-written), fused matmuls."""
     m = model()

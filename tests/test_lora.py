@@ -162,11 +162,11 @@ def test_bad_settings_are_clear_errors(tmp_path):
 
 @pytest.mark.parametrize("targets", ["q,v,down", "q,k,v,o,gate,up,down"])
 def test_fused_projections_match_peft_with_all_or_some_targets(tmp_path, targets):
-    """>= FUSE_MIN_ROWS rows take model.fuse_kernels' path (q/k/v and gate/up in one matmul each, LoRA A's
+    """Rows enough for `fast.fuses` take the fused path (q/k/v and gate/up in one matmul each, LoRA A's
     fused when every projection of a group has one): equal to PEFT whichever projections carry LoRA."""
-    from amdllm.model import FUSE_MIN_ROWS
+    from amdllm.model.fast import fuses
     tokens = np.random.default_rng(5).integers(0, HF_CFG["vocab_size"], (2, 40))
-    assert tokens.size >= FUSE_MIN_ROWS
+    assert fuses(tokens.size, HF_CFG["hidden_size"])
     hf = hf_model()
     m = lora.apply_lora(ours_from_hf(hf), rank=4, alpha=8, targets=targets, seed=2)
     randomize_b(m)

@@ -14,8 +14,9 @@ numbers (tests/test_fast.py checks every one against the textbook), and is on wh
   * Fused projections (`qkv`, `mlp` with `fuse=True`): q/k/v and gate/up each as one matmul on
     concatenated kernels (and LoRA A's), which XLA:CPU runs closer to its matmul peak than two or three
     smaller ones; the concat copies the kernels, about 1/rows of the matmul work. On XLA:CPU and off a
-    mesh only, and from FUSE_MIN_ROWS rows up: accelerators' matmuls are large already, and on a mesh
-    the tensor rules split `out`, where a concat would move data.
+    mesh only, and where `fuses` says (enough rows, and a joined kernel no larger than the output, since
+    autodiff keeps it): accelerators' matmuls are large already, and on a mesh the tensor rules split
+    `out`, where a concat would move data.
   * The decode step's attention over the cache in C++ on a CPU in float32 (`native_cached_attention`,
     amdllm/native/attention.cc; 3.6x XLA's at batch 8 over 192 slots).
   * Per-layer decoding and training: `layers` may be a list of per-layer dicts (`amdllm.model.views`:
@@ -51,6 +52,18 @@ FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_pro
 FUSE_MIN_ROWS = 64  # below this (decoding), copying the kernels costs more than fewer matmuls save
 
 
+def fuses(rows: int, in_features: int) -> bool:
+    """Whether a group of projections of `rows` rows of width `in_features` runs as one matmul (where
+    `kernels(fuse=True)`): from FUSE_MIN_ROWS rows, and only where the joined kernel [in, sum(out)] is no
+    larger than the output [rows, sum(out)]. Why the second: autodiff keeps each layer's joined kernel for
+    the backward pass, every layer's at once. On the 1B shape in float32 at 1 x 256 tokens (in = 2048) that
+    was 2.5 GB of the step's 8.7 GB (XLA's figure), with no speed gained (40.5 fused against 42.1 tokens/s);
+    on the 31M benchmark's step (2048 rows, in = 512) fusing is 2-3% faster (1.32-1.34 against 1.35-1.38 s
+    a step on a 2-core Intel Xeon, in alternating processes; docs/benchmark-history.md, "fused projections
+    and memory")."""
+    return rows >= FUSE_MIN_ROWS and in_features <= rows
+
+
 # --------------------------------------------------------------------------------------------------
 # Fused projections
 # --------------------------------------------------------------------------------------------------
@@ -60,7 +73,7 @@ def project_group(p: dict, key: str, x, lora: LoRA, fuse: bool, joined: bool = F
     joined=True: when fused, the one [..., sum(out)] output unsplit (its consumer takes it whole)."""
     names = FUSED[key]
     rows = math.prod(x.shape[:-1])
-    if (not fuse or rows < FUSE_MIN_ROWS or any(isinstance(p[n], dict) for n in names)  # GPTQ: separate
+    if (not fuse or not fuses(rows, x.shape[-1]) or any(isinstance(p[n], dict) for n in names)  # GPTQ: separate
             or any(jnp.dtype(p[n].dtype).itemsize < 4 for n in names)):  # XLA:CPU widens narrow kernels
         # (a copy each already): a concat would be one more
         # one 2-D view of x for all of them: autodiff then keeps it once for the backward pass, not once per
