@@ -1,4 +1,5 @@
-"""Per-layer layouts of the stacked layer weights and of the KV cache, on a CPU.
+"""Per-layer layouts of the stacked layer weights and of the KV cache: zero-copy views on a CPU, static
+slices inside a jitted step on a GPU (`layer_slices`).
 
 The model keeps its layers stacked, [L, ...] per parameter, so that `lax.scan` runs them (one compiled
 layer, any depth). On a CPU two things pay for that stack:
@@ -9,7 +10,7 @@ layer, any depth). On a CPU two things pay for that stack:
 Here the stack is seen as L per-layer dicts of zero-copy views (`layer_views`, `step_views`), which
 `amdllm.model.fast.forward` runs as an unrolled loop, and the cache as L per-layer arrays
 (`init_cache(per_layer=True)`, `split_cache`). No memory is spent: we check that no view is a copy.
-Where that does not hold (an accelerator, a sharded array) each function says None and the scan runs.
+Where that does not hold (an accelerator, a sharded array) the view functions say None and the scan runs.
 """
 from __future__ import annotations
 
