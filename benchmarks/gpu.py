@@ -325,12 +325,16 @@ def qmatmul_routes(cfg, bandwidth, log, tiny: bool):
                            (64, 1, 4, 0), (128, 1, 4, 0), (64, 4, 4, 0), (128, 2, 8, 0)]
             else:
                 tilings = [(None, None, 4, 16), (128, 1, 4, 16), (64, 1, 4, 16), (128, 1, 8, 16)]
-            for bn, ks, nw, gr in tilings:
-                f = jax.jit(lambda x, a, b, c, bn=bn, ks=ks, nw=nw, gr=gr: Q.pallas_matmul(
+            # and the codes read as floats through 2^23's bits (`qmatmul.codes_as_float`), not yet run on a GPU,
+            # on the default tiling and run 5's best ones (benchmarks/results/gpu_h200_run5.json)
+            bits_read = {1: [(None, None, 4, 16), (128, 4, 8, 16), (64, 4, 4, 16)],
+                         8: [(None, None, 4, 0), (64, 4, 4, 0)]}.get(M, [(None, None, 4, 16)])
+            for bn, ks, nw, gr, dq in [t + ("convert",) for t in tilings] + [t + ("bits",) for t in bits_read]:
+                f = jax.jit(lambda x, a, b, c, bn=bn, ks=ks, nw=nw, gr=gr, dq=dq: Q.pallas_matmul(
                     x, a, b, c, bits=4, group_size=128, block_n=bn, k_splits=ks, num_warps=nw, gemv_rows=gr,
-                    interpret=interpret))
+                    interpret=interpret, dequant=dq))
                 kind = "gemv" if M <= gr else "dot"
-                runs[f"pallas_{kind}_bn{bn or 'auto'}_ks{ks or 'auto'}_w{nw}"] = (
+                runs[f"pallas_{kind}_bn{bn or 'auto'}_ks{ks or 'auto'}_w{nw}" + ("_bits" if dq == "bits" else "")] = (
                     f, (x, q["qweight"], q["qzeros"], q["scales"]), qbytes)
             for name, (f, args, nbytes) in runs.items():
                 try:

@@ -26,6 +26,7 @@ def test_the_gpu_script_runs_every_phase_at_its_tiny_shape(tmp_path):
     routes = {r["route"]: r for r in result["qmatmul"]}
     pallas = [r for k, r in routes.items() if k.startswith("pallas_")]
     assert pallas and all(r["rel_err_vs_reference"] is not None and r["rel_err_vs_reference"] < 1e-2 for r in pallas)
+    assert any(k.endswith("_bits") for k in routes)  # the kernel with codes read through 2^23's bits, timed too
     for phase in ("decode_bf16", "decode_int4_pallas", "decode_int4_xla4", "decode_int4", "serve_engine"):
         assert all(r["tokens_per_s_decode"] > 0 for r in result[phase]), phase
     for phase in ("lora_step", "lora_step_dots", "lora_step_blocked"):

@@ -59,6 +59,12 @@ def test_pallas_kernel_equals_the_reference(M, K, N, bits, gs, act):
                               k_splits=ks, gemv_rows=gemv_rows, interpret=True)
         assert got.shape == (M, N) and got.dtype == jnp.float32
         np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+        # codes read as floats through 2^23's bits: the same products, bit for bit
+        bits_read = Q.pallas_matmul(jnp.asarray(xs), jnp.asarray(sorted_q["qweight"]),
+                                    jnp.asarray(sorted_q["qzeros"]), jnp.asarray(sorted_q["scales"]), bits=bits,
+                                    group_size=Q.group_size_of(sorted_q), k_splits=ks, gemv_rows=gemv_rows,
+                                    interpret=True, dequant="bits")
+        np.testing.assert_array_equal(np.asarray(bits_read), np.asarray(got))
     # in half precision (what a GPU runs): to fp16 rounding of the inputs and the output
     got16 = Q.pallas_matmul(jnp.asarray(xs, jnp.float16), jnp.asarray(sorted_q["qweight"]),
                             jnp.asarray(sorted_q["qzeros"]), jnp.asarray(sorted_q["scales"]), bits=bits,
@@ -95,11 +101,12 @@ def test_kernel_lowers_through_triton_for_cuda_and_rocm(M, K, N):
     from jax import export
     args = (jax.ShapeDtypeStruct((M, K), jnp.bfloat16), jax.ShapeDtypeStruct((K // 8, N), jnp.int32),
             jax.ShapeDtypeStruct((K // 128, N // 8), jnp.int32), jax.ShapeDtypeStruct((K // 128, N), jnp.float16))
-    f = jax.jit(lambda x, a, b, c: Q.pallas_matmul(x, a, b, c, bits=4, group_size=128))
-    for platform in ("cuda", "rocm"):
-        exp = export.export(f, platforms=[platform],
-                            disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
-        assert "xla.gpu.triton" in exp.mlir_module()
+    for dequant in Q.DEQUANT:
+        f = jax.jit(lambda x, a, b, c: Q.pallas_matmul(x, a, b, c, bits=4, group_size=128, dequant=dequant))
+        for platform in ("cuda", "rocm"):
+            exp = export.export(f, platforms=[platform], disabled_checks=[
+                export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+            assert "xla.gpu.triton" in exp.mlir_module()
 
 
 def _act_order_model(tmp_path):

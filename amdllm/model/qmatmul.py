@@ -8,7 +8,8 @@ where the data already is:
   pallas_matmul  A Pallas kernel lowered through Triton, so one source serves NVIDIA and ROCm (JAX routes
                  Pallas to Triton on ROCm). Each program owns a [block_m, block_n] tile of the output and a
                  slice of K; per group of rows it reads the packed int32 words, one row of scales and one
-                 of packed zeros, unpacks and scales them in registers, and accumulates in float32.
+                 of packed zeros, unpacks and scales them in registers, and accumulates in float32 (codes
+                 become floats by a conversion, or through 2^23's bits: `codes_as_float`).
                  Two inner products: a dot on tensor cores for row blocks (decode batches padded to 16
                  rows, and prefill), and a broadcast multiply-and-sum for a single row (batch-1
                  decoding), where a tensor-core tile would be mostly padding. K can be split over
@@ -81,7 +82,21 @@ def sort_act_order(q: dict) -> tuple[dict, np.ndarray | None]:
 # --------------------------------------------------------------------------------------------------
 # The Pallas kernel
 # --------------------------------------------------------------------------------------------------
-def _kernel(x_ref, qw_ref, qz_ref, s_ref, o_ref, *, bits, group_size, words_per_step, steps, gemv):
+MAGIC = 0x4B000000  # the bits of the float32 2^23: OR'd with an integer c < 2^23, they read as 2^23 + c
+DEQUANT = ("convert", "bits")
+
+
+def codes_as_float(codes, dequant: str):
+    """Integer codes (int32, 0 <= c < 2^23) -> float32, each exactly c + the same offset (0 or 2^23):
+    "convert" by an int-to-float conversion; "bits" by OR'ing them into 2^23's mantissa and reading the
+    word as a float, an integer operation where GPUs convert at a fraction of their FP32 rate (the offset
+    cancels in codes - zero). Either gives the same products, bit for bit."""
+    if dequant == "bits":
+        return jax.lax.bitcast_convert_type(codes | MAGIC, jnp.float32)
+    return codes.astype(jnp.float32)
+
+
+def _kernel(x_ref, qw_ref, qz_ref, s_ref, o_ref, *, bits, group_size, words_per_step, steps, gemv, dequant):
     # refs: x [bm, Kp*p] (this split's K rows), qweight [Kp, bn] words, qzeros [G, bn/p], scales [G, bn];
     # the output tile [bm, bn] is this split's partial sum, in float32.
     p = 32 // bits
@@ -91,8 +106,8 @@ def _kernel(x_ref, qw_ref, qz_ref, s_ref, o_ref, *, bits, group_size, words_per_
     def step(i, acc):
         g = i * rows // group_size                  # this step's group, within the split
         w = qw_ref[pl.ds(i * words_per_step, words_per_step), :]                    # [wps, bn] int32
-        codes = unpack_rows(w, bits).astype(jnp.float32)                            # [rows, bn]
-        zero = unpack_cols(qz_ref[pl.ds(g, 1), :], bits).astype(jnp.float32)        # [1, bn]
+        codes = codes_as_float(unpack_rows(w, bits), dequant)                       # [rows, bn]
+        zero = codes_as_float(unpack_cols(qz_ref[pl.ds(g, 1), :], bits), dequant)   # [1, bn]
         scale = s_ref[pl.ds(g, 1), :].astype(jnp.float32)                           # [1, bn]
         kernel = (codes - zero) * scale                                             # [rows, bn]
         x = x_ref[:, pl.ds(i * rows, rows)]                                         # [bm, rows]
@@ -134,14 +149,18 @@ def plan_blocks(M: int, K: int, N: int, bits: int, group_size: int, *, block_n: 
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_n", "k_splits", "block_m", "interpret",
-                                             "gemv_rows", "num_warps"))
+                                             "gemv_rows", "num_warps", "dequant"))
 def pallas_matmul(x, qweight, qzeros, scales, *, bits: int, group_size: int, block_n: int | None = None,
                   k_splits: int | None = None, block_m: int | None = None, interpret: bool = False,
-                  gemv_rows: int = GEMV_MAX_ROWS, num_warps: int = 4):
+                  gemv_rows: int = GEMV_MAX_ROWS, num_warps: int = 4, dequant: str = "convert"):
     """x [M, K] @ dequant(qweight [K/p, N], qzeros (v2) [G, N/p], scales [G, N]) -> [M, N] in x's dtype,
     groups in order (g_idx == k // group_size; see sort_act_order). interpret=True runs Pallas'
     interpreter (any backend); otherwise the kernel is lowered through Triton (NVIDIA and AMD GPUs).
-    Up to gemv_rows rows run the GEMV-shaped kernel, more the tensor-core one."""
+    Up to gemv_rows rows run the GEMV-shaped kernel, more the tensor-core one. dequant: how codes become
+    floats (`codes_as_float`; the same numbers either way). "bits" has not run on a GPU yet:
+    benchmarks/gpu.py times both, and the default stays "convert", the measured one, until a run says."""
+    if dequant not in DEQUANT:
+        raise ValueError(f"dequant must be one of {', '.join(DEQUANT)}, got {dequant!r}")
     M, K = x.shape
     N = qweight.shape[1]
     t = plan_blocks(M, K, N, bits, group_size, block_n=block_n, k_splits=k_splits, block_m=block_m,
@@ -151,7 +170,7 @@ def pallas_matmul(x, qweight, qzeros, scales, *, bits: int, group_size: int, blo
     Kw, G = K // p // ks, K // group_size // ks                               # words and groups per split
     steps = Kw // t["words_per_step"]
     kernel = functools.partial(_kernel, bits=bits, group_size=group_size, words_per_step=t["words_per_step"],
-                               steps=steps, gemv=t["gemv"])
+                               steps=steps, gemv=t["gemv"], dequant=dequant)
     partial = pl.pallas_call(
         kernel,
         grid=(t["rows_m"] // bm, N // bn, ks),
