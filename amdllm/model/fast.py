@@ -52,6 +52,9 @@ FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_pro
 FUSE_MIN_ROWS = 64  # below this (decoding), copying the kernels costs more than fewer matmuls save
 
 
+# --------------------------------------------------------------------------------------------------
+# Fused projections
+# --------------------------------------------------------------------------------------------------
 def fuses(rows: int, in_features: int) -> bool:
     """Whether a group of projections of `rows` rows of width `in_features` runs as one matmul (where
     `kernels(fuse=True)`): from FUSE_MIN_ROWS rows, and only where the joined kernel [in, sum(out)] is no
@@ -64,9 +67,6 @@ def fuses(rows: int, in_features: int) -> bool:
     return rows >= FUSE_MIN_ROWS and in_features <= rows
 
 
-# --------------------------------------------------------------------------------------------------
-# Fused projections
-# --------------------------------------------------------------------------------------------------
 def project_group(p: dict, key: str, x, lora: LoRA, fuse: bool, joined: bool = False):
     """The projections FUSED[key] of one input x -> their outputs (a list), as one matmul when fused.
 
