@@ -89,8 +89,9 @@ DEQUANT = ("convert", "bits")
 def codes_as_float(codes, dequant: str):
     """Integer codes (int32, 0 <= c < 2^23) -> float32, each exactly c + the same offset (0 or 2^23):
     "convert" by an int-to-float conversion; "bits" by OR'ing them into 2^23's mantissa and reading the
-    word as a float, an integer operation where GPUs convert at a fraction of their FP32 rate (the offset
-    cancels in codes - zero). Either gives the same products, bit for bit."""
+    word as a float: integer operations, where a GPU's int-to-float conversions run at a fraction of its
+    FP32 rate (the CUDA programming guide's throughput table). The offset cancels exactly in codes - zero,
+    so either gives the same products, bit for bit; which is faster is for a GPU run to say."""
     if dequant == "bits":
         return jax.lax.bitcast_convert_type(codes | MAGIC, jnp.float32)
     return codes.astype(jnp.float32)
