@@ -33,8 +33,10 @@ def test_the_kernel_is_the_fastest_this_cpu_has():
 @needs_tiles
 @each_kind
 @pytest.mark.parametrize("M,K,N", [(1, 1, 1), (5, 7, 3), (13, 33, 47), (33, 65, 47), (64, 96, 8550 // 50),
-                                   (256, 2048, 512)])
+                                   (256, 2048, 512), (40, 4160, 70), (33, 4111, 47)])
 def test_tiles_times_equals_float64_sums_of_the_bf16_values(kind, M, K, N):
+    # K a multiple of 32 or not (AMX's nk product reads W where it lies only then); K over 2048 (AMX runs K
+    # in chunks of 2048 and adds each chunk's sums to the last's); M and N off the 32-block edges
     rng = np.random.default_rng(M + K + N)
     x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
     for transposed in (False, True):
@@ -49,9 +51,10 @@ def test_tiles_times_equals_float64_sums_of_the_bf16_values(kind, M, K, N):
 
 @needs_tiles
 @each_kind
-def test_a_stack_is_read_in_place_at_the_layer_index(kind):
+@pytest.mark.parametrize("out", [40, 96])  # W^T's K off 32 (packed) and a multiple of 32 (read where it lies)
+def test_a_stack_is_read_in_place_at_the_layer_index(kind, out):
     rng = np.random.default_rng(1)
-    stack = jnp.asarray(rng.standard_normal((3, 64, 40)), jnp.bfloat16)
+    stack = jnp.asarray(rng.standard_normal((3, 64, out)), jnp.bfloat16)
     bits = jax.lax.bitcast_convert_type(stack, jnp.uint16)
     x = jnp.asarray(rng.standard_normal((70, 64)), jnp.bfloat16)
     run = jax.jit(lambda x, b, i: native.tiles_times(x, b, False, i, kind))
@@ -59,7 +62,7 @@ def test_a_stack_is_read_in_place_at_the_layer_index(kind):
         np.testing.assert_array_equal(np.asarray(run(x, bits, i)),
                                       np.asarray(native.tiles_times(x, bits[i], kind=kind)))
     # the backward's layout on the same stack: x [M, N] . W[i]^T
-    y = jnp.asarray(rng.standard_normal((70, 40)), jnp.bfloat16)
+    y = jnp.asarray(rng.standard_normal((70, out)), jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(native.tiles_times(y, bits, True, 2, kind)),
                                   np.asarray(native.tiles_times(y, bits[2].T.copy(), False, kind=kind)))
 

@@ -15,11 +15,12 @@
   row unchanged within the noise; docs/benchmark-history.md, "float32 decoding").
 * `bf16_tiles.cc`, `tiles_times`: many bf16 rows times bf16 weights into float32 (a LoRA step's, or an
   evaluation's, products with a frozen bf16 base), on Intel AMX tiles where the CPU has AMX, else by
-  AVX-512 BF16's VDPBF16PS where it has that (`tiles_kind`). 256 rows times the 1B shape's matrices:
-  AMX at 1.1-3.5x XLA:CPU's bf16 dots on a 2-core Xeon; VDPBF16PS at about XLA's speed on a 2-core AMD
-  EPYC Zen 4 (the ten products summed: 0.98x and 1.06x XLA's rate in two runs of
-  benchmarks/bench_tiles.py); its gain in the LoRA step likely comes from reading the stacked layers in
-  place (`jax.jit` timings; docs/benchmark-history.md, "an AMX kernel for the frozen base" and "VDPBF16PS").
+  AVX-512 BF16's VDPBF16PS where it has that (`tiles_kind`). 256 rows times the 1B shape's matrices (the
+  ten products of a layer and a head block, benchmarks/bench_tiles.py): AMX at 1.4-1.6x XLA:CPU's bf16
+  dots and 0.8-0.9x PyTorch's rate on a 2-core Xeon (BENCHMARKS.md, "The bf16 tile kernel's products");
+  VDPBF16PS at about XLA's speed on a 2-core AMD EPYC Zen 4 (0.98x and 1.06x XLA's rate in two runs). Its
+  gain in the LoRA step likely comes from reading the stacked layers in place (`jax.jit` timings;
+  docs/benchmark-history.md, "an AMX kernel for the frozen base" and "VDPBF16PS").
 
 * `attention.cc`, `causal_attention`: causal grouped-query attention in float32, forward and backward
   (training, evaluation and prefill without a cache: `amdllm.model.fast.native_attention`, which widens

@@ -11,13 +11,17 @@
 // Two layouts, both x [M, K] -> y [M, N] float32, W 2-D or a stack of layers' [L, ...] read at a layer index:
 //   *_kn: W [K, N] (amdllm's [in, out] kernels; the backward of a tied head).
 //   *_nk: W [N, K] (the backward of an [in, out] kernel, dy . W^T; a tied head's [V, D] table).
-// Both instruction sets want W as [K/2][N][2] pairs; neither layout is, so each thread packs a panel of W's
-// columns into that order (kn: two rows interleaved; nk: 16x16 transposes of 32-bit pairs) right before
-// using it, while it is hot in L2, and reuses it for every block of rows of x. x is packed once, into
-// blocks of 32 (AMX) or 12 (VDPBF16PS) rows by 32 columns.
+// Both instruction sets want their second operand as [K/2][N][2] pairs; neither layout is, so each thread
+// packs a panel of W's columns into that order (kn: two rows interleaved; nk: 16x16 transposes of 32-bit
+// pairs) right before using it, while it is hot in L2, and reuses it for every block of rows of x. x is
+// packed once, into blocks of 32 (AMX) or 12 (VDPBF16PS) rows by 32 columns. On AMX, K goes in chunks of
+// 2048; and an nk product with K a multiple of 32 is turned around (y^T = W . x^T, `rows_of_w`): W, as it
+// lies, is the first operand, and x^T the packed one, so W is never packed.
 // An AMX step multiplies a 32x32 block of y: 2 tiles of x by 2 tiles of W into 4 float32 tiles. A VDPBF16PS
 // step multiplies 12 rows of x by 32 columns of W into 24 registers of 16 float32 sums.
-// Threads: XLA's intra-op pool (pool.h), as bf16_rows.cc. Built by amdllm/native/__init__.py; the functions carry
+// Threads: the caller and all but one of XLA's intra-op pool (pool.h: one thread a core). Called from outside
+// the pool (benchmarks/bench_tiles.py), the caller and every pool thread were three workers on two cores:
+// the ten products of bench_tiles took 50-56 ms against 45. Built by amdllm/native/__init__.py; the functions carry
 // their own target attributes, so the file compiles on any x86-64 g++/clang++ that knows AMX, and
 // amdllm_tiles_ready() and amdllm_dots_ready() say at run time which of the two this CPU (and, for AMX,
 // Linux) lets a process use.
@@ -32,7 +36,7 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
-using amdllm_native::helpers;
+using amdllm_native::helpers_besides_caller;
 using amdllm_native::in_parallel;
 
 #if defined(__x86_64__)
@@ -47,6 +51,7 @@ using amdllm_native::in_parallel;
 constexpr int64_t kBlock = 32;        // rows of x and columns of W per step
 constexpr int64_t kStep = 1024;       // bf16 values per packed k-step of a block: 2 tiles of 16 x 32
 constexpr int64_t kPanelBytes = 1 << 20;  // a thread's packed columns of W at once (L2)
+constexpr int64_t kChunk = 64;            // k-steps at once on AMX (2048 of K): see `columns`
 
 extern "C" int amdllm_tiles_ready() {  // 1 when this process may use AMX tiles (Linux asks for them)
   __builtin_cpu_init();
@@ -107,14 +112,14 @@ static void pack_x(const uint16_t* x, int64_t M, int64_t K, int64_t mb, uint16_t
   }
 }
 
-// W [K, N] column blocks nb0..nb1-1 -> each [K/32][2 tiles][16 pairs of rows][16 columns][2], zero-padded,
-// `stride` values apart. Row pair by row pair over all the blocks: W is read along its rows.
+// W [K, N] column blocks nb0..nb1-1, k-steps s0..s1-1 -> each block [s1 - s0][2 tiles][16 pairs of rows][16
+// columns][2], zero-padded, `stride` values apart. Row pair by row pair over all the blocks: W is read along
+// its rows.
 PACK static void pack_kn(const uint16_t* w, int64_t K, int64_t N, int64_t nb0, int64_t nb1, uint16_t* out,
-                        int64_t stride) {
-  const int64_t steps = (K + kBlock - 1) / kBlock;
+                        int64_t stride, int64_t s0, int64_t s1) {
   const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
   const __m512i second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
-  for (int64_t k = 0; k < steps * kBlock; k += 2) {
+  for (int64_t k = s0 * kBlock; k < s1 * kBlock; k += 2) {
     for (int64_t nb = nb0; nb < nb1; ++nb) {
       const int64_t n0 = nb * kBlock, cols = std::min(kBlock, N - n0);
       const __mmask32 mask = cols == 32 ? ~__mmask32(0) : (__mmask32(1) << cols) - 1;
@@ -122,7 +127,7 @@ PACK static void pack_kn(const uint16_t* w, int64_t K, int64_t N, int64_t nb0, i
       const __m512i b = k + 1 < K ? _mm512_maskz_loadu_epi16(mask, w + (k + 1) * N + n0) : _mm512_setzero_si512();
       // unpack interleaves within 128-bit lanes: lo holds columns 0-3, 8-11, ..., hi 4-7, 12-15, ...
       const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
-      uint16_t* dst = out + (nb - nb0) * stride + (k / kBlock) * kStep + (k % kBlock) / 2 * kBlock;
+      uint16_t* dst = out + (nb - nb0) * stride + (k / kBlock - s0) * kStep + (k % kBlock) / 2 * kBlock;
       _mm512_store_si512(dst, _mm512_permutex2var_epi64(lo, first, hi));               // columns 0-15
       _mm512_store_si512(dst + kStep / 2, _mm512_permutex2var_epi64(lo, second, hi));  // columns 16-31
     }
@@ -152,11 +157,12 @@ PACK static inline void transpose16(__m512i r[16]) {  // 16 x 16 32-bit values
   for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
-// W [N, K] rows n0..n0+31 -> the same packed order as pack_kn: a pair (W[n, k], W[n, k+1]) is one 32-bit
-// value of W's row, so each tile is a 16 x 16 transpose of those.
-PACK static void pack_nk(const uint16_t* w, int64_t K, int64_t N, int64_t n0, uint16_t* out) {
-  const int64_t steps = (K + kBlock - 1) / kBlock;
-  for (int64_t s = 0; s < steps; ++s) {
+// W [N, K] rows n0..n0+31, k-steps s0..s1-1 -> the same packed order as pack_kn: a pair (W[n, k], W[n, k+1])
+// is one 32-bit value of W's row, so each tile is a 16 x 16 transpose of those. (Also x^T's packing for
+// rows_of_w, with x as "W".)
+PACK static void pack_nk(const uint16_t* w, int64_t K, int64_t N, int64_t n0, uint16_t* out, int64_t s0,
+                        int64_t s1) {
+  for (int64_t s = s0; s < s1; ++s) {
     const int64_t k0 = s * kBlock, n = std::min(kBlock, K - k0);
     const __mmask32 mask = n == 32 ? ~__mmask32(0) : (__mmask32(1) << n) - 1;
     for (int t = 0; t < 2; ++t) {
@@ -166,31 +172,39 @@ PACK static void pack_nk(const uint16_t* w, int64_t K, int64_t N, int64_t n0, ui
         r[i] = row < N ? _mm512_maskz_loadu_epi16(mask, w + row * K + k0) : _mm512_setzero_si512();
       }
       transpose16(r);
-      uint16_t* dst = out + s * kStep + t * (kStep / 2);
+      uint16_t* dst = out + (s - s0) * kStep + t * (kStep / 2);
       for (int p = 0; p < 16; ++p) _mm512_store_si512(dst + p * kBlock, r[p]);
     }
   }
 }
 
-// W's column blocks nb0..nb1-1 packed (pack_kn or pack_nk) into this thread's panel buffer, one block's
-// [K/32][2 tiles][16 pairs][16 columns][2] after another.
-PACK static const uint16_t* pack_panel(const uint16_t* w, int64_t K, int64_t N, bool nk, int64_t nb0, int64_t nb1) {
+// W's column blocks nb0..nb1-1 at k-steps s0..s1-1 packed (pack_kn or pack_nk) into this thread's panel
+// buffer, one block's [s1 - s0][2 tiles][16 pairs][16 columns][2] after another.
+PACK static const uint16_t* pack_panel(const uint16_t* w, int64_t K, int64_t N, bool nk, int64_t nb0, int64_t nb1,
+                                      int64_t s0, int64_t s1) {
   static thread_local Aligned panel_buffer;
-  const int64_t stride = (K + kBlock - 1) / kBlock * kStep;
+  const int64_t stride = (s1 - s0) * kStep;
   uint16_t* panel = panel_buffer.get((nb1 - nb0) * stride);
   if (nk)
-    for (int64_t nb = nb0; nb < nb1; ++nb) pack_nk(w, K, N, nb * kBlock, panel + (nb - nb0) * stride);
+    for (int64_t nb = nb0; nb < nb1; ++nb) pack_nk(w, K, N, nb * kBlock, panel + (nb - nb0) * stride, s0, s1);
   else
-    pack_kn(w, K, N, nb0, nb1, panel, stride);
+    pack_kn(w, K, N, nb0, nb1, panel, stride, s0, s1);
   return panel;
 }
 
-// y[32, 32] (row stride ldy) = a block of packed x . a block of packed W, `steps` k-steps.
-AMX static void block(const uint16_t* a, const uint16_t* b, int64_t steps, float* y, int64_t ldy) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+// y[32, 32] (row stride ldy) = (add ? y : 0) + a block of packed x . a block of packed W, `steps` k-steps.
+AMX static void block(const uint16_t* a, const uint16_t* b, int64_t steps, float* y, int64_t ldy, bool add) {
+  if (add) {
+    _tile_loadd(0, y, ldy * 4);
+    _tile_loadd(1, y + 16, ldy * 4);
+    _tile_loadd(2, y + 16 * ldy, ldy * 4);
+    _tile_loadd(3, y + 16 * ldy + 16, ldy * 4);
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  }
   for (int64_t s = 0; s < steps; ++s, a += kStep, b += kStep) {
     _tile_loadd(4, a, 64);
     _tile_loadd(5, a + kStep / 2, 64);
@@ -207,25 +221,127 @@ AMX static void block(const uint16_t* a, const uint16_t* b, int64_t steps, float
   _tile_stored(3, y + 16 * ldy + 16, ldy * 4);
 }
 
-// The threads' share: columns of y in groups of `group` blocks; each group's W panel is packed once and
-// used by every block of rows.
+// A worker's share: columns of y in groups of `group` blocks. K goes in chunks of kChunk k-steps; each
+// group's W panel for a chunk is packed once and used by every block of rows, and the chunk's sums are added
+// to y's. Why chunks: with all of a long K at once (the 1B shape's down projection, 8192; a tied head's
+// backward, a vocabulary block), a block of x and a block of W no longer stay in the L2 cache while used
+// (256 rows, 2-core Xeon: down's forward 9.6-9.7 -> 7.3-8.0 ms, the head block's backward 12.6-13.1 ->
+// 8.1-8.9; benchmarks/bench_tiles.py).
 AMX static void columns(const uint16_t* xp, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N,
                         bool nk, int64_t nb0, int64_t nb1) {
   const int64_t steps = (K + kBlock - 1) / kBlock, mbs = (M + kBlock - 1) / kBlock;
-  const uint16_t* panel = pack_panel(w, K, N, nk, nb0, nb1);
-  configure();
   alignas(64) float edge[kBlock * kBlock];
-  for (int64_t mb = 0; mb < mbs; ++mb) {
-    const uint16_t* a = xp + mb * steps * kStep;
+  configure();
+  for (int64_t s0 = 0; s0 < steps; s0 += kChunk) {
+    const int64_t s1 = std::min(steps, s0 + kChunk), n = s1 - s0;
+    const uint16_t* panel = pack_panel(w, K, N, nk, nb0, nb1, s0, s1);
+    const bool add = s0 > 0;
+    for (int64_t mb = 0; mb < mbs; ++mb) {
+      const uint16_t* a = xp + (mb * steps + s0) * kStep;
+      for (int64_t nb = nb0; nb < nb1; ++nb) {
+        const int64_t m0 = mb * kBlock, n0 = nb * kBlock;
+        const uint16_t* b = panel + (nb - nb0) * n * kStep;
+        if (m0 + kBlock <= M && n0 + kBlock <= N) {
+          block(a, b, n, y + m0 * N + n0, N, add);
+        } else {  // an edge block: through a 32 x 32 buffer
+          const int64_t rows = std::min(kBlock, M - m0), cols = std::min(kBlock, N - n0);
+          if (add)
+            for (int64_t r = 0; r < rows; ++r) std::memcpy(edge + r * kBlock, y + (m0 + r) * N + n0, cols * 4);
+          block(a, b, n, edge, kBlock, add);
+          for (int64_t r = 0; r < rows; ++r) std::memcpy(y + (m0 + r) * N + n0, edge + r * kBlock, cols * 4);
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+
+// nk on AMX, with K a multiple of 32: y^T = W . x^T, so W [N, K] is the A operand where it lies (a tile is 16
+// of its rows, 64 bytes of K each, K * 2 bytes apart) and x^T, packed once by pack_nk, is the B operand; W is
+// never packed. Each 32 x 32 block of sums is y^T's, and is transposed on its way into y. Packing W was
+// about a third of an nk product's time (256 rows of the 1B shape, 2-core Xeon; bench_tiles.py).
+// t [32 n][32 m] (row stride 32) = (add ? t : 0) + W's 32 rows (stride ldw) . a block of packed x^T. On W's
+// first pass (`fetch`) its lines are asked for a few k-steps ahead: 32 rows are 32 streams, one line each a
+// step.
+AMX static void block_t(const uint16_t* w, int64_t ldw, const uint16_t* b, int64_t steps, float* t, bool fetch,
+                        bool add) {
+  if (add) {
+    _tile_loadd(0, t, kBlock * 4);
+    _tile_loadd(1, t + 16, kBlock * 4);
+    _tile_loadd(2, t + 16 * kBlock, kBlock * 4);
+    _tile_loadd(3, t + 16 * kBlock + 16, kBlock * 4);
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  constexpr int64_t kAhead = 4;  // k-steps
+  for (int64_t s = 0; s < steps; ++s, b += kStep) {
+    if (fetch && s + kAhead < steps)
+      for (int r = 0; r < 32; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(w + r * ldw + (s + kAhead) * kBlock), _MM_HINT_T0);
+    _tile_loadd(4, w + s * kBlock, ldw * 2);
+    _tile_loadd(5, w + 16 * ldw + s * kBlock, ldw * 2);
+    _tile_loadd(6, b, 64);
+    _tile_loadd(7, b + kStep / 2, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, t, kBlock * 4);
+  _tile_stored(1, t + 16, kBlock * 4);
+  _tile_stored(2, t + 16 * kBlock, kBlock * 4);
+  _tile_stored(3, t + 16 * kBlock + 16, kBlock * 4);
+}
+
+// t [32 n][32 m] -> y[m0 + i, n0 + j] for i < rows, j < cols.
+PACK static void store_transposed(const float* t, float* y, int64_t N, int64_t m0, int64_t n0, int64_t rows,
+                                  int64_t cols) {
+  for (int mh = 0; mh < 2; ++mh)
+    for (int nh = 0; nh < 2; ++nh) {
+      const int64_t have = std::min<int64_t>(16, cols - 16 * nh);
+      if (have <= 0 || 16 * mh >= rows) continue;
+      __m512i r[16];
+      for (int j = 0; j < 16; ++j) r[j] = _mm512_load_si512(t + (16 * nh + j) * kBlock + 16 * mh);
+      transpose16(r);
+      const __mmask16 mask = have == 16 ? __mmask16(0xffff) : __mmask16((1u << have) - 1);
+      for (int i = 0; i < 16 && 16 * mh + i < rows; ++i)
+        _mm512_mask_storeu_epi32(y + (m0 + 16 * mh + i) * N + n0 + 16 * nh, mask, r[i]);
+    }
+}
+
+// A worker's share of an nk product turned around: W's row blocks nb0..nb1-1, K in chunks of kChunk
+// k-steps as in `columns` (the sums between chunks are kept per block in a thread's buffer, since y is
+// written transposed).
+AMX static void rows_of_w(const uint16_t* xt, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N,
+                          int64_t nb0, int64_t nb1) {
+  static thread_local Aligned edge_rows;  // the last block's rows of W, zero-padded to 32
+  static thread_local Aligned sums;       // with K in chunks: each block's sums between chunks
+  const int64_t steps = K / kBlock, mbs = (M + kBlock - 1) / kBlock;
+  const int64_t chunk = std::min(steps, kChunk);
+  alignas(64) float t[kBlock * kBlock];
+  float* acc = chunk < steps ? reinterpret_cast<float*>(sums.get((nb1 - nb0) * mbs * kBlock * kBlock * 2)) : nullptr;
+  configure();
+  for (int64_t s0 = 0; s0 < steps; s0 += chunk) {
+    const int64_t n = std::min(chunk, steps - s0);
+    const bool last = s0 + n == steps;
     for (int64_t nb = nb0; nb < nb1; ++nb) {
-      const int64_t m0 = mb * kBlock, n0 = nb * kBlock;
-      const uint16_t* b = panel + (nb - nb0) * steps * kStep;
-      if (m0 + kBlock <= M && n0 + kBlock <= N) {
-        block(a, b, steps, y + m0 * N + n0, N);
-      } else {  // an edge block: through a 32 x 32 buffer
-        block(a, b, steps, edge, kBlock);
-        const int64_t rows = std::min(kBlock, M - m0), cols = std::min(kBlock, N - n0);
-        for (int64_t r = 0; r < rows; ++r) std::memcpy(y + (m0 + r) * N + n0, edge + r * kBlock, cols * 4);
+      const int64_t n0 = nb * kBlock, cols = std::min(kBlock, N - n0);
+      const uint16_t* a = w + n0 * K;
+      if (cols < kBlock) {
+        uint16_t* p = edge_rows.get(kBlock * K);
+        if (s0 == 0) {
+          std::memcpy(p, a, cols * K * 2);
+          std::memset(p + cols * K, 0, (kBlock - cols) * K * 2);
+        }
+        a = p;
+      }
+      for (int64_t mb = 0; mb < mbs; ++mb) {
+        float* tb = acc ? acc + ((nb - nb0) * mbs + mb) * kBlock * kBlock : t;
+        block_t(a + s0 * kBlock, K, xt + (mb * steps + s0) * kStep, n, tb, mb == 0, s0 > 0);
+        if (last) store_transposed(tb, y, N, mb * kBlock, n0, std::min(kBlock, M - mb * kBlock), cols);
       }
     }
   }
@@ -265,7 +381,7 @@ DOTS static void dots_block(const uint16_t* a, const uint16_t* b, int64_t steps,
 DOTS static void dot_columns(const uint16_t* xp, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N,
                              bool nk, int64_t nb0, int64_t nb1) {
   const int64_t steps = (K + kBlock - 1) / kBlock, mbs = (M + kRows - 1) / kRows;
-  const uint16_t* panel = pack_panel(w, K, N, nk, nb0, nb1);
+  const uint16_t* panel = pack_panel(w, K, N, nk, nb0, nb1, 0, steps);
   alignas(64) float edge[kRows * kBlock];
   for (int64_t mb = 0; mb < mbs; ++mb) {
     const uint16_t* a = xp + mb * steps * kRows * kBlock;
@@ -307,14 +423,26 @@ static ffi::Error Tiles(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16>& x, ffi::B
   Aligned x_buffer;  // per call: an evaluation's x can be large, and is freed on return
   uint16_t* xp = x_buffer.get(mbs * steps * rows * kBlock);
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.typed_data());
-  in_parallel(pool, helpers(pool), mbs, [&](int64_t mb) { pack_x(xs, M, K, mb, xp, rows); });
-  // groups of column blocks: a panel of about kPanelBytes, and at least 4 groups a thread where N allows
-  const int64_t threads = helpers(pool) + 1;
-  const int64_t fit = std::max<int64_t>(1, kPanelBytes / (steps * kStep * 2));
-  const int64_t group = std::max<int64_t>(1, std::min(fit, nbs / (4 * threads)));
-  const int64_t groups = (nbs + group - 1) / group;
   const uint16_t* wp = w.typed_data() + at * K * N;
-  in_parallel(pool, helpers(pool), groups, [&](int64_t g) {
+  const int64_t workers = helpers_besides_caller(pool) + 1;
+  if (amx && nk && K % kBlock == 0) {  // W read where it lies (rows_of_w); x^T packed
+    in_parallel(pool, workers - 1, mbs,
+                [&](int64_t mb) { pack_nk(xs, K, M, mb * kBlock, xp + mb * steps * kStep, 0, steps); });
+    // two groups of W's rows a worker; with K in chunks, a group's kept sums at most kPanelBytes
+    const int64_t kept = steps > kChunk ? kPanelBytes / (kBlock * kBlock * 4) / mbs : nbs;
+    const int64_t group = std::max<int64_t>(1, std::min(kept, nbs / (2 * workers)));
+    const int64_t groups = (nbs + group - 1) / group;
+    in_parallel(pool, workers - 1, groups,
+                [&](int64_t g) { rows_of_w(xp, wp, yp, M, K, N, g * group, std::min(nbs, (g + 1) * group)); });
+    return ffi::Error::Success();
+  }
+  in_parallel(pool, workers - 1, mbs, [&](int64_t mb) { pack_x(xs, M, K, mb, xp, rows); });
+  // groups of column blocks: a panel of about kPanelBytes, and at least 4 groups a worker where N allows
+  const int64_t panel_steps = amx ? std::min(steps, kChunk) : steps;
+  const int64_t fit = std::max<int64_t>(1, kPanelBytes / (panel_steps * kStep * 2));
+  const int64_t group = std::max<int64_t>(1, std::min(fit, nbs / (4 * workers)));
+  const int64_t groups = (nbs + group - 1) / group;
+  in_parallel(pool, workers - 1, groups, [&](int64_t g) {
     if (amx)
       columns(xp, wp, yp, M, K, N, nk, g * group, std::min(nbs, (g + 1) * group));
     else
