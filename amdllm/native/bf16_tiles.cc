@@ -192,8 +192,20 @@ PACK static const uint16_t* pack_panel(const uint16_t* w, int64_t K, int64_t N, 
   return panel;
 }
 
-// y[32, 32] (row stride ldy) = (add ? y : 0) + a block of packed x . a block of packed W, `steps` k-steps.
-AMX static void block(const uint16_t* a, const uint16_t* b, int64_t steps, float* y, int64_t ldy, bool add) {
+// The first operand of an AMX step: two tiles of 16 rows, the second `half` values after the first, rows
+// `stride` values apart, the next k-step `step` values on. Packed x: Rows{kStep / 2, kBlock, kStep}; W [N, K]
+// where it lies: Rows{16 * K, K, kBlock}.
+struct Rows {
+  int64_t half, stride, step;
+};
+constexpr Rows kPackedX{kStep / 2, kBlock, kStep};
+
+// y[32, 32] (row stride ldy) = (add ? y : 0) + a's 32 rows (laid out as `rows` says) . a block of packed W or
+// x^T, `steps` k-steps. With `fetch` (a first pass over rows that are not packed, hence not in cache), each
+// row's line `kAhead` k-steps on is asked for: 32 rows are 32 streams.
+AMX static void block(const uint16_t* a, Rows rows, const uint16_t* b, int64_t steps, float* y, int64_t ldy, bool add,
+                      bool fetch = false) {
+  constexpr int64_t kAhead = 4;
   if (add) {
     _tile_loadd(0, y, ldy * 4);
     _tile_loadd(1, y + 16, ldy * 4);
@@ -205,9 +217,14 @@ AMX static void block(const uint16_t* a, const uint16_t* b, int64_t steps, float
     _tile_zero(2);
     _tile_zero(3);
   }
-  for (int64_t s = 0; s < steps; ++s, a += kStep, b += kStep) {
-    _tile_loadd(4, a, 64);
-    _tile_loadd(5, a + kStep / 2, 64);
+  for (int64_t s = 0; s < steps; ++s, a += rows.step, b += kStep) {
+    if (fetch && s + kAhead < steps)
+      for (int r = 0; r < 32; ++r)
+        _mm_prefetch(
+            reinterpret_cast<const char*>(a + (r / 16) * rows.half + (r % 16) * rows.stride + kAhead * rows.step),
+            _MM_HINT_T0);
+    _tile_loadd(4, a, rows.stride * 2);
+    _tile_loadd(5, a + rows.half, rows.stride * 2);
     _tile_loadd(6, b, 64);
     _tile_loadd(7, b + kStep / 2, 64);
     _tile_dpbf16ps(0, 4, 6);
@@ -242,58 +259,18 @@ AMX static void columns(const uint16_t* xp, const uint16_t* w, float* y, int64_t
         const int64_t m0 = mb * kBlock, n0 = nb * kBlock;
         const uint16_t* b = panel + (nb - nb0) * n * kStep;
         if (m0 + kBlock <= M && n0 + kBlock <= N) {
-          block(a, b, n, y + m0 * N + n0, N, add);
+          block(a, kPackedX, b, n, y + m0 * N + n0, N, add);
         } else {  // an edge block: through a 32 x 32 buffer
           const int64_t rows = std::min(kBlock, M - m0), cols = std::min(kBlock, N - n0);
           if (add)
             for (int64_t r = 0; r < rows; ++r) std::memcpy(edge + r * kBlock, y + (m0 + r) * N + n0, cols * 4);
-          block(a, b, n, edge, kBlock, add);
+          block(a, kPackedX, b, n, edge, kBlock, add);
           for (int64_t r = 0; r < rows; ++r) std::memcpy(y + (m0 + r) * N + n0, edge + r * kBlock, cols * 4);
         }
       }
     }
   }
   _tile_release();
-}
-
-// nk on AMX, with K a multiple of 32: y^T = W . x^T, so W [N, K] is the A operand where it lies (a tile is 16
-// of its rows, 64 bytes of K each, K * 2 bytes apart) and x^T, packed once by pack_nk, is the B operand; W is
-// never packed. Each 32 x 32 block of sums is y^T's, and is transposed on its way into y. Packing W was
-// about a third of an nk product's time (256 rows of the 1B shape, 2-core Xeon; bench_tiles.py).
-// t [32 n][32 m] (row stride 32) = (add ? t : 0) + W's 32 rows (stride ldw) . a block of packed x^T. On W's
-// first pass (`fetch`) its lines are asked for a few k-steps ahead: 32 rows are 32 streams, one line each a
-// step.
-AMX static void block_t(const uint16_t* w, int64_t ldw, const uint16_t* b, int64_t steps, float* t, bool fetch,
-                        bool add) {
-  if (add) {
-    _tile_loadd(0, t, kBlock * 4);
-    _tile_loadd(1, t + 16, kBlock * 4);
-    _tile_loadd(2, t + 16 * kBlock, kBlock * 4);
-    _tile_loadd(3, t + 16 * kBlock + 16, kBlock * 4);
-  } else {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-  }
-  constexpr int64_t kAhead = 4;  // k-steps
-  for (int64_t s = 0; s < steps; ++s, b += kStep) {
-    if (fetch && s + kAhead < steps)
-      for (int r = 0; r < 32; ++r)
-        _mm_prefetch(reinterpret_cast<const char*>(w + r * ldw + (s + kAhead) * kBlock), _MM_HINT_T0);
-    _tile_loadd(4, w + s * kBlock, ldw * 2);
-    _tile_loadd(5, w + 16 * ldw + s * kBlock, ldw * 2);
-    _tile_loadd(6, b, 64);
-    _tile_loadd(7, b + kStep / 2, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
-  }
-  _tile_stored(0, t, kBlock * 4);
-  _tile_stored(1, t + 16, kBlock * 4);
-  _tile_stored(2, t + 16 * kBlock, kBlock * 4);
-  _tile_stored(3, t + 16 * kBlock + 16, kBlock * 4);
 }
 
 // t [32 n][32 m] -> y[m0 + i, n0 + j] for i < rows, j < cols.
@@ -312,7 +289,11 @@ PACK static void store_transposed(const float* t, float* y, int64_t N, int64_t m
     }
 }
 
-// A worker's share of an nk product turned around: W's row blocks nb0..nb1-1, K in chunks of kChunk
+// nk on AMX, with K a multiple of 32: y^T = W . x^T, so W [N, K] is the A operand where it lies (a tile is 16
+// of its rows, 64 bytes of K each, K * 2 bytes apart) and x^T, packed once by pack_nk, is the B operand; W is
+// never packed. Each 32 x 32 block of sums is y^T's, and is transposed on its way into y. Packing W was
+// about a third of an nk product's time (256 rows of the 1B shape, 2-core Xeon; bench_tiles.py).
+// A worker's share of such a product: W's row blocks nb0..nb1-1, K in chunks of kChunk
 // k-steps as in `columns` (the sums between chunks are kept per block in a thread's buffer, since y is
 // written transposed).
 AMX static void rows_of_w(const uint16_t* xt, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N,
@@ -340,7 +321,8 @@ AMX static void rows_of_w(const uint16_t* xt, const uint16_t* w, float* y, int64
       }
       for (int64_t mb = 0; mb < mbs; ++mb) {
         float* tb = acc ? acc + ((nb - nb0) * mbs + mb) * kBlock * kBlock : t;
-        block_t(a + s0 * kBlock, K, xt + (mb * steps + s0) * kStep, n, tb, mb == 0, s0 > 0);
+        block(a + s0 * kBlock, Rows{16 * K, K, kBlock}, xt + (mb * steps + s0) * kStep, n, tb, kBlock, s0 > 0,
+              mb == 0);
         if (last) store_transposed(tb, y, N, mb * kBlock, n0, std::min(kBlock, M - mb * kBlock), cols);
       }
     }
