@@ -34,6 +34,7 @@ HUGETLB = "glibc.malloc.hugetlb"  # glibc >= 2.35: 1 = madvise(MADV_HUGEPAGE) on
 # sets through mallopt (glibc's malloc.h: M_MMAP_MAX -4, M_TRIM_THRESHOLD -1, whose -1 turns trimming off)
 HEAP_KEPT = {"glibc.malloc.mmap_max": "0", "glibc.malloc.trim_threshold": str(64 << 30)}
 HEAP_KEPT_MALLOPT = ((-4, 0), (-1, -1))
+TOP_KEPT = 1 << 62  # malloc_trim's pad: the free top of the heap it leaves, here all of it (`hand_back_freed`)
 TRAINING_COMMANDS = ("finetune",)  # the commands that run a training step: they keep freed blocks (`keep_heap`)
 THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 REEXEC_ENV = "AMDLLM_REEXEC"  # set in a command `amdllm` re-executed with HUGETLB: it never re-executes again
@@ -166,6 +167,13 @@ def malloc_env(environ) -> dict | None:
     return {**environ, "GLIBC_TUNABLES": appended_tunables(environ, {HUGETLB: "1"}), REEXEC_ENV: "1"}
 
 
+def _heap_ours(environ) -> bool:
+    """Whether `amdllm` may set how glibc's heap keeps freed blocks: glibc 2.26 or newer, not turned off by
+    AMDLLM_HUGETLB=0, and neither HEAP_KEPT setting named in GLIBC_TUNABLES (the user's choice)."""
+    return ((glibc_version() or (0, 0)) >= (2, 26) and not malloc_off(environ)
+            and not any(k in malloc_tunables(environ) for k in HEAP_KEPT))
+
+
 def keep_heap(environ=None) -> bool:
     """From now on keep the blocks this process frees in glibc's heap (HEAP_KEPT, set by mallopt), after
     handing the free pages the heap holds now back to the kernel (malloc_trim); True where done.
@@ -175,21 +183,43 @@ def keep_heap(environ=None) -> bool:
     so each training step faults its large temporaries in again (the 1B step: a [256, 128256] float32
     logits buffer); kept, the next step reuses them (the 1B step on a 2-core Zen 4: 47.6-54.1 -> 54.9-59.1
     tokens/s; docs/benchmark-history.md, "VDPBF16PS and the kept heap"). Why only now: kept from the start
-    (as GLIBC_TUNABLES), the compiler's freed memory stays in the heap too. The 1B bf16 step's peak RSS
-    falls into two groups from run to run either way (likely whether a step's temporaries reuse the last
-    step's freed block; not proven); kept from the start 4.19-4.26 or 5.0-5.08 GB, kept after the compile and a trim
-    4.03-4.09 or 4.86 GB (2-core Intel Xeon; docs/benchmark-history.md, "the kept heap after the
-    compile"). Not for a notebook's kernel, which would keep its peak for the rest of its life.
+    (as GLIBC_TUNABLES), the compiler's freed memory stays in the heap too. A kept heap can hold a freed
+    block that no later request fits (`hand_back_freed` says why); the training loop hands its pages back
+    once, after the first step. Not for a notebook's kernel, which would keep its peak for the rest of its
+    life.
     Skipped (False): without glibc 2.26 or newer, with AMDLLM_HUGETLB=0, or where GLIBC_TUNABLES names
     either setting (the user's choice)."""
-    environ = os.environ if environ is None else environ
-    if ((glibc_version() or (0, 0)) < (2, 26) or malloc_off(environ)
-            or any(k in malloc_tunables(environ) for k in HEAP_KEPT)):
+    if not _heap_ours(os.environ if environ is None else environ):
         return False
     try:
         libc = ctypes.CDLL(None)  # the process's own symbols: glibc's malloc
         libc.malloc_trim(0)
         return all(libc.mallopt(param, value) == 1 for param, value in HEAP_KEPT_MALLOPT)
+    except (OSError, AttributeError):
+        return False
+
+
+def hand_back_freed(environ=None) -> bool:
+    """Hand the pages of the heap's free blocks back to the kernel, but not the free top of the heap
+    (`malloc_trim` with a pad no heap reaches); True where done. The training loop calls it once, between
+    its first and second step after `keep_heap`.
+
+    Why: XLA:CPU takes a step's temporaries as one aligned block (the 1B bf16 step: 885 MB, from
+    posix_memalign). glibc (2.36 here) serves an aligned request of n bytes from a free block of at least
+    n + alignment + 32 bytes and hands the few bytes past the block back; where a small allocation that
+    outlives the step takes them, the freed block is exactly n bytes, too small for the next step's same
+    request. The second step then takes a new block and the first stays in the kept heap, resident and never
+    used again: the 1B step's peak RSS was 4.85 GB in such runs and 4.02-4.10 GB in the others (2-core
+    Intel Xeon, glibc 2.36; docs/benchmark-history.md, "session 39"). Handed back, the block costs
+    nothing where it is not reused, and one page fault per page where it is.
+    Skipped (False) where `keep_heap` would be."""
+    if not _heap_ours(os.environ if environ is None else environ):
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        libc.malloc_trim(TOP_KEPT)
+        return True
     except (OSError, AttributeError):
         return False
 
