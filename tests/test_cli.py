@@ -278,18 +278,23 @@ print(kept, before - rss())
 """
 
 
+def heap_probe(probe: str, mode: str) -> list[str]:
+    """The words a probe of glibc's heap prints, run in a process of its own with malloc as glibc sets it."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "AMDLLM_HUGETLB")}
+    r = subprocess.run([sys.executable, "-c", probe, mode], capture_output=True, text=True, timeout=120,
+                       env=clean, cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0, r.stderr
+    return r.stdout.split()
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux") or (env.glibc_version() or (0, 0)) < (2, 26),
                     reason="glibc's malloc only")
 def test_keep_heap_keeps_a_freed_block():
     """In a process of its own: without `keep_heap` glibc hands a freed 256 MB block back to the kernel (it
     was mapped for it); after it, the block stays in the heap, resident, for the next allocation."""
     out = {}
-    clean = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "AMDLLM_HUGETLB")}
     for mode in ("keep", "plain"):
-        r = subprocess.run([sys.executable, "-c", KEPT_PROBE, mode], capture_output=True, text=True, timeout=120,
-                           env=clean, cwd=Path(__file__).resolve().parents[1])
-        assert r.returncode == 0, r.stderr
-        kept, released = r.stdout.split()
+        kept, released = heap_probe(KEPT_PROBE, mode)
         out[mode] = (kept == "True", int(released))
     assert out["keep"][0] and out["keep"][1] < (16 << 20), out  # kept: at most noise released
     assert not out["plain"][0] and out["plain"][1] > (200 << 20), out  # plain: the block goes back
@@ -326,13 +331,9 @@ def test_a_freed_step_block_the_next_cannot_reuse_is_handed_back():
     """In a kept heap, a second aligned block of the first's size may not fit the first's freed block (glibc
     asks for the alignment's bytes more; `env.hand_back_freed`), and then both stay resident; handed back
     between the two, the heap holds one block's pages, reused or not."""
-    clean = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "AMDLLM_HUGETLB")}
     out = {}
     for mode in ("keep", "back"):
-        r = subprocess.run([sys.executable, "-c", ALIGNED_PROBE, mode], capture_output=True, text=True, timeout=120,
-                           env=clean, cwd=Path(__file__).resolve().parents[1])
-        assert r.returncode == 0, r.stderr
-        reused, blocks = r.stdout.split()
+        reused, blocks = heap_probe(ALIGNED_PROBE, mode)
         out[mode] = (reused == "True", float(blocks))
     assert out["back"][1] < 1.1, out  # one block resident
     assert out["keep"][0] or out["keep"][1] > 1.9, out  # kept: reused, or both blocks resident (glibc 2.36)
