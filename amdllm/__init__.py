@@ -2,7 +2,8 @@
 
 The package is layered; a module imports only from its own layer or lower ones (tests/test_imports.py):
 
-    L0  config, files, env, cpu     configuration, atomic file writes, the machine's facts, CPU back-end options
+    L0  config, files, env, heap,   configuration, atomic file writes, the machine's facts, glibc's malloc
+        cpu                         for XLA:CPU, CPU back-end options
     L0  native/                     C++ kernels XLA calls on a CPU: bf16 weights times a few rows (decoding)
                                     or many (AMX tiles: training, evaluation)
     L1  model/                      the Llama model, LoRA factors, GPTQ-packed weights

@@ -12,7 +12,7 @@ the ratio of those medians, and the ratio per round.
 
 Environments (`common.child_plan`): the amdllm process runs with the glibc malloc tunables `amdllm finetune`
 gives itself, and keeps freed blocks in the heap after its warm-up step as the command does once its step is
-compiled (`amdllm.env.keep_heap`); the peft process runs once per round in each distinct GLIBC_TUNABLES of:
+compiled (`amdllm.heap.keep_heap`); the peft process runs once per round in each distinct GLIBC_TUNABLES of:
 none, the parent's, amdllm's, and amdllm's with the heap kept from the start, and the ratio is against its
 fastest (all are in the JSON, "peft_by_environment").
 
@@ -90,7 +90,7 @@ def amdllm_child(a) -> dict:
 
     from amdllm import train
     from amdllm.config import LlamaConfig
-    from amdllm.env import keep_heap
+    from amdllm.heap import keep_heap
     from amdllm.model import Llama, lora
 
     cfg = LlamaConfig.from_dict(shape_dict(a))
@@ -221,7 +221,7 @@ def report(a, runs: dict[str, list[dict]]) -> dict:
     res["speedup_per_round"] = [t / j for j, t in zip(res["amdllm"]["step_seconds_per_run"],
                                                       res["peft"]["step_seconds_per_run"])]  # peft / amdllm
     res["glibc_tunables"] = {"amdllm": runs["amdllm"][0]["glibc_tunables"], "peft": runs[peer][0]["glibc_tunables"]}
-    res["amdllm_heap_kept"] = [r.get("heap_kept") for r in runs["amdllm"]]  # after the warm-up (env.keep_heap)
+    res["amdllm_heap_kept"] = [r.get("heap_kept") for r in runs["amdllm"]]  # after the warm-up (heap.keep_heap)
     res["load_average"] = os.getloadavg()
     return res
 

@@ -141,16 +141,16 @@ def with_tunables(environ, tunables: str | None) -> dict:
 def child_plan(ours: str, peer: str, command: str, environ=None) -> list[tuple[str, str, dict]]:
     """Who runs in which environment: (label, side, env) for `run_rounds`.
 
-    Our side runs in the environment the `amdllm <command>` gives itself (`amdllm.env.malloc_env`: glibc
+    Our side runs in the environment the `amdllm <command>` gives itself (`amdllm.heap.malloc_env`: glibc
     malloc tunables, re-executing itself), so the benchmark times what a user of the command gets. The
     peer runs in each distinct GLIBC_TUNABLES among: none (what a user of the peer has), the parent's
     (`make bench` sets glibc.malloc.hugetlb=1), ours, and for a training command ours with freed blocks
-    kept in the heap (`amdllm.env.HEAP_KEPT`, which `amdllm finetune` sets once its step is compiled:
+    kept in the heap (`amdllm.heap.HEAP_KEPT`, which `amdllm finetune` sets once its step is compiled:
     `keep_heap`); a report takes the peer's fastest (`best_peer`).
     Why: one environment for both sides is no fair default. On a 2-core Zen 4 VM, hugetlb=1 made
     PyTorch's LoRA step erratic and slower (1.7-2.7 s against 1.76-1.85 s unset), while the kept heap
     made it faster (1.68-1.76 s): docs/benchmark-history.md, "the peer's environment"."""
-    from amdllm.env import HEAP_KEPT, TRAINING_COMMANDS, appended_tunables, malloc_env
+    from amdllm.heap import HEAP_KEPT, TRAINING_COMMANDS, appended_tunables, malloc_env
     environ = dict(os.environ if environ is None else environ)
     env_ours = malloc_env(environ) or environ
     plan, seen = [(ours, ours, env_ours)], set()

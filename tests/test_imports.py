@@ -8,7 +8,7 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "amdllm"
 LAYERS = {  # module prefix -> layer (the longest matching prefix wins)
-    "amdllm": 0, "amdllm.config": 0, "amdllm.files": 0, "amdllm.env": 0, "amdllm.cpu": 0,
+    "amdllm": 0, "amdllm.config": 0, "amdllm.files": 0, "amdllm.env": 0, "amdllm.heap": 0, "amdllm.cpu": 0,
     "amdllm.native": 0,
     "amdllm.model": 1,
     "amdllm.io": 2, "amdllm.parallel": 2,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from amdllm import env
+from amdllm import heap
 from amdllm.train import data
 from amdllm.model import lora
 from amdllm.io import peft
@@ -253,8 +253,8 @@ def test_the_finetune_command_steps_over_per_layer_views(tmp_path):
     res = json.loads(r.stdout)
     assert "layers/0/q_proj" in res["frozen_in_step"] and "layers/q_proj" not in res["frozen_in_step"]
     assert 0.8 < res["memory"]["xla_bytes_per_device"] / res["memory"]["plan_bytes_per_device"] < 1.25, res["memory"]
-    glibc = sys.platform.startswith("linux") and (env.glibc_version() or (0, 0)) >= (2, 26)
-    assert res["memory"]["heap_kept"] is glibc  # freed blocks kept once the step was compiled (env.keep_heap)
+    glibc = sys.platform.startswith("linux") and (heap.glibc_version() or (0, 0)) >= (2, 26)
+    assert res["memory"]["heap_kept"] is glibc  # freed blocks kept once the step was compiled (heap.keep_heap)
 
 
 def test_cli_finetune_writes_peft_adapter_metrics_and_merged_checkpoint(tmp_path, capsys):

@@ -14,7 +14,7 @@ import os
 import sys
 import warnings
 
-from amdllm import env
+from amdllm import heap
 from amdllm.cli.parser import COMMANDS, build_parser
 
 __all__ = ["main", "build_parser"]
@@ -38,10 +38,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _with_malloc_tunables() -> None:
     """Run this command again, once, with the glibc malloc tunable it wants where the environment does not
-    name it (amdllm.env.malloc_env: huge pages, XLA:CPU's training steps faster; glibc reads GLIBC_TUNABLES
+    name it (amdllm.heap.malloc_env: huge pages, XLA:CPU's training steps faster; glibc reads GLIBC_TUNABLES
     only when a process starts). AMDLLM_HUGETLB=0 turns this off; where exec fails, the command runs as it
-    is. (`finetune` also keeps freed blocks in the heap once its step is compiled: amdllm.env.keep_heap.)"""
-    new_env = env.malloc_env(os.environ)
+    is. (`finetune` also keeps freed blocks in the heap once its step is compiled: amdllm.heap.keep_heap.)"""
+    new_env = heap.malloc_env(os.environ)
     if new_env is not None:
         try:
             os.execve(sys.executable, [sys.executable, "-m", "amdllm.cli", *sys.argv[1:]], new_env)

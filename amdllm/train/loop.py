@@ -27,7 +27,7 @@ from safetensors.numpy import load_file
 from safetensors.numpy import save as st_save
 from tqdm.auto import tqdm
 
-from amdllm import env
+from amdllm import heap
 from amdllm.files import atomic_write_bytes, atomic_write_text, remove_stale
 from amdllm.io.peft import save_adapter
 from amdllm.model import Llama
@@ -182,8 +182,8 @@ def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig 
     process 0 alone writes (the adapter, metrics, checkpoints) and shows progress. `planned_bytes`: the
     planner's per-device figure, printed beside XLA's for the compiled step before training. `keep_heap`:
     once the step is compiled, keep freed blocks in glibc's heap for the rest of the process
-    (`amdllm.env.keep_heap`; what `amdllm finetune` does, not for a notebook's kernel), and hand the first
-    step's freed pages back once (`amdllm.env.hand_back_freed`: a freed block the next step cannot reuse).
+    (`amdllm.heap.keep_heap`; what `amdllm finetune` does, not for a notebook's kernel), and hand the first
+    step's freed pages back once (`amdllm.heap.hand_back_freed`: a freed block the next step cannot reuse).
     """
     out = Path(out_dir)
     expect_model(model, "finetune")
@@ -287,13 +287,13 @@ def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig 
     bar = tqdm(range(start, tc.steps), initial=start, total=tc.steps, desc="finetune",
                disable=not (progress and lead), file=sys.stderr, dynamic_ncols=True)
     if keep_heap:  # after every compile before the loop (the step's; the first evaluation's)
-        memory["heap_kept"] = env.keep_heap()
+        memory["heap_kept"] = heap.keep_heap()
     tok_s = mfu = 0.0
     rates = []  # tokens/s of every timed step: the result reports their median, not the last step's
     t_prev = time.perf_counter()
     for step in bar:
         if step == start + 1 and memory.get("heap_kept"):
-            env.hand_back_freed()  # once: the first step's temporaries, where this step cannot reuse them
+            heap.hand_back_freed()  # once: the first step's temporaries, where this step cannot reuse them
         lora, opt_state, m = step_fn(lora, opt_state, frozen, next_batch(step), jax.random.fold_in(key, step))
         loss = float(m["loss"])  # waits for the step; also the NaN check
         now = time.perf_counter()
