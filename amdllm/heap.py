@@ -128,10 +128,11 @@ def hand_back_freed(environ=None) -> bool:
 
     Why: XLA:CPU takes a step's temporaries as one aligned block (the 1B bf16 step: 885 MB, from
     posix_memalign). glibc (2.36 here) serves an aligned request of n bytes from a free block of at least
-    n + alignment + 32 bytes and hands the few bytes past the block back; where a small allocation that
-    outlives the step takes them, the freed block is exactly n bytes, too small for the next step's same
-    request. The second step then takes a new block and the first stays in the kept heap, resident and never
-    used again: the 1B step's peak RSS was 4.85 GB in such runs and 4.02-4.10 GB in the others (2-core
+    n + alignment + 32 bytes and hands the few bytes past the block back as a small free block. While that
+    small block is held (by a later allocation, or in glibc's per-thread cache of small blocks, which does
+    not merge), the freed block stays exactly n bytes, too small for the next step's same request. The
+    second step then takes a new block and the first stays in the kept heap, resident and never used
+    again: the 1B step's peak RSS was 4.85 GB in such runs and 4.02-4.10 GB in the others (2-core
     Intel Xeon, glibc 2.36; docs/benchmark-history.md, "session 39"). Handed back, the block costs
     nothing where it is not reused, and one page fault per page where it is.
     Skipped (False) where `keep_heap` would be."""
