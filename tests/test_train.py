@@ -4,6 +4,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ from amdllm.train import data
 from amdllm.model import lora
 from amdllm.io import peft
 from amdllm import cpu, train
+from amdllm.train import loop as train_loop
 from amdllm.config import LlamaConfig
 from amdllm.model import Llama
 from amdllm.model.fast import FUSED, fuses
@@ -114,7 +116,15 @@ def test_only_lora_is_differentiated_no_full_size_gradient_buffers():
     assert lora_step.memory_analysis().output_size_in_bytes < 3 * lora_bytes + 4096  # LoRA + 2 Adam moments
 
 
-def test_finetune_loss_falls_frozen_bit_identical_metrics_and_adapter(tmp_path):
+def test_finetune_loss_falls_frozen_bit_identical_metrics_and_adapter(tmp_path, monkeypatch):
+    late = [0.0]  # each evaluation moves the loop's clock on by 1000 s: no step's time may include it
+    clock, evaluate = time.perf_counter, train_loop.evaluate_loss
+
+    def slow_evaluate(*args, **kwargs):
+        late[0] += 1000
+        return evaluate(*args, **kwargs)
+    monkeypatch.setattr(train_loop.time, "perf_counter", lambda: clock() + late[0])
+    monkeypatch.setattr(train_loop, "evaluate_loss", slow_evaluate)
     m = tiny_model()
     rng = np.random.default_rng(0)  # random prompts, one fixed answer: learnable in a few LoRA steps
     ds = data.build_dataset([([0] + rng.integers(3, 60, 6).tolist() + [100, 7, 8, 9, 1], [0] * 8 + [1] * 4)
@@ -132,6 +142,7 @@ def test_finetune_loss_falls_frozen_bit_identical_metrics_and_adapter(tmp_path):
     assert [r["step"] for r in steps] == list(range(1, 41))
     assert {"step", "loss", "lr", "tokens_per_second", "mfu", "grad_norm"} <= steps[-1].keys()
     assert steps[-1]["tokens_per_second"] > 0 and 0 < steps[-1]["mfu"]
+    assert late[0] == 3000 and max(r["step_seconds"] for r in steps) < 1000  # step 21 came after an evaluation
     assert steps[0]["lr"] == 0.0 and steps[2]["lr"] == pytest.approx(2e-2)  # warmup then cosine
     evals = [r for r in recs if r.get("event") == "eval"]
     assert [r["step"] for r in evals] == [0, 20, 40] and evals[-1]["eval_loss"] < evals[0]["eval_loss"] + 0.5

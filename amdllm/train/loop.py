@@ -322,6 +322,7 @@ def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig 
         if tc.save_every and n % tc.save_every == 0 and n < tc.steps:
             meta["cursor"] = data_mod.cursor(len(train_ds), n, global_batch)
             checkpoint(n)
+        t_prev = time.perf_counter()  # the next step's time leaves out this one's evaluation and checkpoint
     bar.close()
     meta["cursor"] = data_mod.cursor(len(train_ds), tc.steps, global_batch)
     if start < tc.steps:
