@@ -183,7 +183,8 @@ def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig 
     planner's per-device figure, printed beside XLA's for the compiled step before training. `keep_heap`:
     once the step is compiled, keep freed blocks in glibc's heap for the rest of the process
     (`amdllm.heap.keep_heap`; what `amdllm finetune` does, not for a notebook's kernel), and hand the first
-    step's freed pages back once (`amdllm.heap.hand_back_freed`: a freed block the next step cannot reuse).
+    step's freed pages back once, and after each evaluation (`amdllm.heap.hand_back_freed`: freed blocks the
+    next steps may not reuse).
     """
     out = Path(out_dir)
     expect_model(model, "finetune")
@@ -319,6 +320,8 @@ def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig 
         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}", mfu=f"{100 * mfu:.1f}%")
         if tc.eval_every and n % tc.eval_every == 0 and n < tc.steps:
             run_eval(n)
+            if memory.get("heap_kept"):
+                heap.hand_back_freed()  # the evaluation's blocks, where the training steps' layout lost them
         if tc.save_every and n % tc.save_every == 0 and n < tc.steps:
             meta["cursor"] = data_mod.cursor(len(train_ds), n, global_batch)
             checkpoint(n)
