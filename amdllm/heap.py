@@ -123,8 +123,8 @@ def keep_heap(environ=None) -> bool:
 
 def hand_back_freed(environ=None) -> bool:
     """Hand the pages of the heap's free blocks back to the kernel, but not the free top of the heap
-    (`malloc_trim` with a pad no heap reaches); True where done. The training loop calls it once, between
-    its first and second step after `keep_heap`.
+    (`malloc_trim` with a pad no heap reaches); True where done. The training loop calls it between its
+    first and second step after `keep_heap`, and after each evaluation.
 
     Why: XLA:CPU takes a step's temporaries as one aligned block (the 1B bf16 step: 885 MB, from
     posix_memalign). glibc (2.36 here) serves an aligned request of n bytes from a free block of at least
