@@ -261,14 +261,18 @@ def test_finetune_keeps_freed_blocks_in_the_heap_after_compiling(huge_page_machi
     assert heap.keep_heap({}) is False
 
 
-KEPT_PROBE = """
+PROBE_START = """
 import ctypes, sys
 from amdllm import heap
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
+libc.posix_memalign.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
 def rss():
     return int(next(l for l in open("/proc/self/status") if l.startswith("RssAnon")).split()[1]) * 1024
+"""  # what the heap probes below share: glibc's malloc through ctypes, and the process's resident heap
+
+KEPT_PROBE = PROBE_START + """
 kept = heap.keep_heap({}) if sys.argv[1] == "keep" else False
 p = libc.malloc(256 << 20)
 ctypes.memset(p, 1, 256 << 20)
@@ -300,15 +304,8 @@ def test_keep_heap_keeps_a_freed_block():
     assert not out["plain"][0] and out["plain"][1] > (200 << 20), out  # plain: the block goes back
 
 
-ALIGNED_PROBE = """
-import ctypes, sys
-from amdllm import heap
-libc = ctypes.CDLL(None)
-libc.posix_memalign.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_size_t]
-libc.free.argtypes = [ctypes.c_void_p]
+ALIGNED_PROBE = PROBE_START + """
 N = 256 << 20
-def rss():
-    return int(next(l for l in open("/proc/self/status") if l.startswith("RssAnon")).split()[1]) * 1024
 def step():  # a training step's temporaries as XLA:CPU takes them: one aligned block, all of it written
     p = ctypes.c_void_p()
     assert libc.posix_memalign(ctypes.byref(p), 64, N) == 0
