@@ -27,7 +27,9 @@ inline vf load_v(const float* p) {
 
 inline void store_v(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
-inline vf splat(float f) { return vf{} + f; }  // f in every lane (one broadcast instruction)
+// f in every lane: one broadcast, from memory where f is. Not vf{} + f: 0 + f is not f for f = -0, so the
+// compiler must add first (an add and a register broadcast on the FMA's port, per splat); f - 0 is f.
+inline vf splat(float f) { return f - vf{}; }
 
 // f(std::integral_constant<int, m>) for the m (1 <= m <= Max) given at run time: a kernel templated on its
 // number of rows, chosen per call.
@@ -64,10 +66,21 @@ inline float hmax(vf v) {
   return m;
 }
 
+// The sum of v's lanes, halves added pairwise (log2(kLanes) shuffles and adds): added one lane at a time
+// it is a chain of kLanes dependent adds, which the compiler may not reorder (a decode step's attention
+// spent a fifth of its time in them, one per query row and cached key).
 inline float hsum(vf v) {
-  float s = 0.f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
+#if defined(__AVX512F__)
+  typedef float h8 __attribute__((vector_size(32)));
+  const h8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  typedef float h8 __attribute__((vector_size(32)));
+  const h8 a = v;
+#endif
+  typedef float h4 __attribute__((vector_size(16)));
+  const h4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
 // The largest of row[0..n).
