@@ -38,6 +38,7 @@ constexpr int kVecsPer = 4;  // 24 of the 32 zmm registers
 constexpr int kVecsPer = 2;  // 12 of the 16 ymm registers
 #endif
 constexpr float kMasked = -1e30f;  // amdllm.model.attention.NEG_INF
+constexpr int64_t kAhead = 16;  // cached_attention: keys fetched this many slots ahead
 
 // ---------------------------------------------------------------------------------------------------------
 // y[M, N] (+)= x[M, K] . w[K, N]: x's element (m, k) at x[m * xm + k * xk] (so x may be read transposed),
@@ -337,6 +338,10 @@ static ffi::Error Cached(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
         std::memcpy(qr.data() + (t * G + g) * hd, qp + ((b * T + t) * H + kh * G + g) * hd, hd * 4);
     for (int64_t s = 0; s < E; ++s) {
       const float* kr = keys + s * hd;
+      for (int64_t i = 0; i < hd; i += kLanes) {  // the cache is read cold: fetch later keys, and the values
+        __builtin_prefetch(kr + kAhead * hd + i);
+        __builtin_prefetch(vals + s * hd + i);
+      }
       for (int64_t r = 0; r < R; ++r) {
         const float* x = qr.data() + r * hd;
         vf acc = vf{};
