@@ -269,7 +269,11 @@ def test_bits_share_memory_and_read_back_exactly():
     # a short prefill runs over the views too, a longer one scans the stack
     assert views_mod.prefill_layers(blayers, views, narrow.native_max_rows()) is views
     assert views_mod.prefill_layers(blayers, views, narrow.native_max_rows() + 1) is blayers
-    assert views_mod.prefill_layers(layers, views_mod.layer_views(layers), 1) is layers  # float32: always the scan
+    # bfloat16 arrays that are not bits (XLA would widen every layer up front): the scan; float32: the views
+    assert views_mod.prefill_layers(layers, views_mod.layer_views(layers), 1) is layers
+    f32 = jax.tree.map(lambda a: a.astype(jnp.float32), layers)
+    f32_views = views_mod.layer_views(f32)
+    assert f32_views is not None and views_mod.prefill_layers(f32, f32_views, 4096) is f32_views
 
 
 def test_evaluation_of_narrow_weights_widens_one_layer_at_a_time():

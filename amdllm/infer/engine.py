@@ -137,8 +137,8 @@ class Engine:
         self.pad = int(pad_id) if pad_id is not None else tokenizer_pad_id(tokenizer)
         self.top, self.layers = inference_weights(*to_pure(model))  # narrow weights as bits on a CPU
         # the decode step reads per-layer weight views on the CPU (no copies out of the stack; see
-        # amdllm.model.fast) and then keeps a per-layer cache; the prefill scans the stacked weights, or
-        # runs over the views too where its rows fit the native kernel (`prefill_layers`)
+        # amdllm.model.fast) and then keeps a per-layer cache; the prefill runs over the views too, unless
+        # they are narrow bits that a kernel would widen at its rows, and then scans (`prefill_layers`)
         # unstack=True: the step runs the stacked weights as an unrolled loop over static slices instead (no
         # views, no scan), as `Decoder(unstack=)` does on a GPU; measured by benchmarks/gpu.py, serve_engine
         self.unstack = bool(unstack)

@@ -67,9 +67,10 @@ def _compiled(model):
     def prefill(top, layers, tokens, positions, segment_ids, key, temperature, top_p, cache_len,
                 per_layer=False, mode="nucleus"):
         # tokens/positions/segment_ids [B, P] left-padded: the last column is a real token in every row.
-        # cache_len (static) fixes the cache shape. The prefill scans the stacked weights (large matmuls,
-        # flat compile time), or runs over per-layer views where its rows fit the native kernel
-        # (`prefill_layers`), and hands the step a per-layer cache when it runs per-layer weights.
+        # cache_len (static) fixes the cache shape. The prefill runs over the per-layer views where the step
+        # does, unless they are narrow bits that a kernel would widen at the prefill's rows; else it scans
+        # the stacked weights (`prefill_layers`). It hands the step a per-layer cache when the step runs
+        # per-layer weights.
         cache = init_cache(cfg, tokens.shape[0], cache_len, run.dtype)
         last, cache = last_logits(cfg, run, top, layers, tokens, positions, segment_ids, cache, 0)  # [B, V]
         tok = sample_token(last, jax.random.fold_in(key, 0), temperature, top_p, mode)

@@ -42,6 +42,7 @@ from amdllm import native
 from amdllm.config import LlamaConfig
 import amdllm.model.llama as llama
 from amdllm.model.attention import _scores, cached_attention, library_attention
+from amdllm.model.dense import Dense
 from amdllm.model.layers import lora_delta, rms_norm, rope_tables
 from amdllm.model.llama import KVCache, Kernels, LoRA, Run, block, embed, project
 from amdllm.model.narrow import (Bits, bf16_dots_for, fence, has_bits, head_blocked, hold_stacked,
@@ -87,7 +88,8 @@ def project_group(p: dict, key: str, x, lora: LoRA, fuse: bool, joined: bool = F
         return [o.reshape(*x.shape[:-1], o.shape[-1]) for o in outs]
     sizes = [p[n].shape[-1] for n in names]
     x2 = x.reshape(-1, x.shape[-1])
-    y = x2 @ jnp.concatenate([p[n] for n in names], axis=-1).astype(x.dtype)           # [rows, sum(out)]
+    joined_kernel = jnp.concatenate([p[n].w if isinstance(p[n], Dense) else p[n] for n in names], axis=-1)
+    y = x2 @ joined_kernel.astype(x.dtype)                                                # [rows, sum(out)]
     rngs = [None if lora.rng is None else jax.random.fold_in(lora.rng, llama.PROJECTIONS.index(n)) for n in names]
     with_a = [n + "_lora_a" in p for n in names]
     if all(with_a) and not (lora.dropout > 0.0 and lora.rng is not None):
