@@ -118,12 +118,12 @@ def _native_at(layers, rows: int) -> bool:
 def prefill_layers(layers, views, rows: int):
     """What a prefill of `rows` rows runs over: the per-layer `views` (`layer_views`) of float32 weights, or
     of narrow bits that every kernel takes at this many rows in the native kernel; else the stacked `layers`
-    (a scan). Anything XLA would widen or dequantize (other narrow bits, narrow arrays, GPTQ's packed words)
-    is scanned: unrolled, XLA does that to every layer up front, where the scan does one at a time. Unrolled, each
-    product reads its layer's weights where they lie; the scan copies each layer's slice out of the stack
-    first (1B shape, bf16, 2-core EPYC, one 16-token prompt: 0.40 s against 0.82 s scanned, and 1.0-1.3 s
-    widening every matrix to float32; the 31M benchmark model in float32 on a 2-core Intel Xeon, 8 x 32
-    prompt tokens: 57 against 64 ms; docs/benchmark-history.md)."""
+    (a scan). Anything XLA would widen or dequantize (other narrow bits, narrow arrays, GPTQ's packed
+    words) is scanned: unrolled, XLA does that to every layer up front, where the scan does one at a time.
+    Unrolled, each product reads its layer's weights where they lie; the scan copies each layer's slice out
+    of the stack first (1B shape, bf16, 2-core EPYC, one 16-token prompt: 0.40 s against 0.82 s scanned,
+    and 1.0-1.3 s widening every matrix to float32; the 31M benchmark model in float32 on a 2-core Intel
+    Xeon, 8 x 32 prompt tokens: 57 against 64 ms to the first token; docs/benchmark-history.md)."""
     if views is None:
         return layers
     if has_bits(layers):

@@ -70,15 +70,14 @@ inline float hmax(vf v) {
 // it is a chain of kLanes dependent adds, which the compiler may not reorder (a decode step's attention
 // spent a fifth of its time in them, one per query row and cached key).
 inline float hsum(vf v) {
-#if defined(__AVX512F__)
   typedef float h8 __attribute__((vector_size(32)));
+  typedef float h4 __attribute__((vector_size(16)));
+#if defined(__AVX512F__)
   const h8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
 #else
-  typedef float h8 __attribute__((vector_size(32)));
-  const h8 a = v;
+  const h8 a = v;  // 8 lanes
 #endif
-  typedef float h4 __attribute__((vector_size(16)));
   const h4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
