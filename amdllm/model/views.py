@@ -104,9 +104,13 @@ def step_views(layers) -> list[dict] | None:
         return None
     if has_bits(layers):
         return _views(layers) if bf16_bits(layers) and native.tiles_available() else None
-    if any(jnp.dtype(a.dtype) != jnp.float32 for a in jax.tree.leaves(layers)):
-        return None
-    return _views(layers)  # no `hold_dense`: its row kernel is for decoding's few rows
+    # no `hold_dense`: its row kernel is for decoding's few rows
+    return _views(layers) if _float32(layers) else None
+
+
+def _float32(layers) -> bool:
+    """Whether every array in `layers` is float32 (no narrow weights, no GPTQ words)."""
+    return all(jnp.dtype(a.dtype) == jnp.float32 for a in jax.tree.leaves(layers))
 
 
 def _native_at(layers, rows: int) -> bool:
@@ -128,4 +132,4 @@ def prefill_layers(layers, views, rows: int):
         return layers
     if has_bits(layers):
         return views if _native_at(layers, rows) else layers
-    return views if all(jnp.dtype(a.dtype) == jnp.float32 for a in jax.tree.leaves(layers)) else layers
+    return views if _float32(layers) else layers

@@ -297,8 +297,7 @@ def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig 
             heap.hand_back_freed()  # once: the first step's temporaries, where this step cannot reuse them
         lora, opt_state, m = step_fn(lora, opt_state, frozen, next_batch(step), jax.random.fold_in(key, step))
         loss = float(m["loss"])  # waits for the step; also the NaN check
-        now = time.perf_counter()
-        dt, t_prev = now - t_prev, now
+        dt = time.perf_counter() - t_prev  # t_prev: set after the previous step's evaluation and checkpoint
         if not bool(m["ok"]):
             write_metrics()
             where = f"last good checkpoint: {last_ckpt}" if last_ckpt else "no checkpoint was written yet"
