@@ -8,15 +8,17 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PYTEST_WORKERS ?= 2
+# ACCEL=auto: where $(PY)'s own JAX computes on a GPU or TPU, .venv is built on top of it and keeps its JAX
+# and PyTorch; ACCEL=cpu: always the CPU set. TORCH_INDEX: where the CPU build of PyTorch comes from.
+ACCEL   ?= auto
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
-# glibc malloc asks for transparent huge pages on the large blocks it maps (glibc >= 2.35; ignored elsewhere):
-# XLA:CPU allocates a step's ~1 GB of temporaries afresh every step, and faulting them in 4 KB pages cost
-# ~1 s of kernel time per LoRA step of benchmarks/bench_lora.py. The benchmarks run the peer in this and
-# other environments and compare with its fastest (benchmarks/common.py, child_plan). README: "CPU speed".
+# glibc (2.35+) maps XLA:CPU's large temporaries in huge pages: faulting a training step's afresh in 4 KB
+# pages costs kernel time every step (ignored where glibc lacks the tunable). docs/cli.md, "Common rules"
 export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 
-.PHONY: install test course lab bench model notebooks-clean clean help
+.PHONY: install test test-core course lab bench model notebooks-clean clean help
 
 help:
 	@echo "make course  - run the six notebooks headless into build/ and print a summary"
@@ -25,16 +27,9 @@ help:
 	@echo "make bench   - run benchmarks/ (writes JSON into bench_results/)"
 	@echo "make model   - rebuild the default model from its recipe (20-30 min) and compare with data/default_model"
 
-# torch is pinned to the CPU build (2.13.0): an unpinned torch pulls a multi-GB CUDA build.
-# On a ROCm machine install torch/jax ROCm wheels first (README: "Install on AMD ROCm").
-$(STAMP): pyproject.toml requirements/lock.txt
-	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c requirements/lock.txt "torch==2.13.0"
-	@# PYTHONWARNINGS: setuptools prints a notice on every editable install that the source tree is
-	@# imported from directly (which is the point); nothing to act on
-	PYTHONWARNINGS=ignore $(BIN)/python -m pip install -q -c requirements/lock.txt -e ".[all]"
-	$(BIN)/python -m amdllm.course.notebooks kernel
+# requirements/install.py: the venv, PyTorch (the CPU build unless one is there), the lock and amdllm
+$(STAMP): pyproject.toml requirements/lock.txt requirements/install.py
+	$(PY) requirements/install.py --venv $(VENV) --accel $(ACCEL) --torch-index $(TORCH_INDEX)
 	@touch $@
 
 install: $(STAMP)
@@ -42,6 +37,12 @@ install: $(STAMP)
 test: install
 	$(BIN)/python -m amdllm.course build
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=15 tests
+
+# the suite with the CPU backend off and no C or C++ compiler on PATH: the core alone (.ci/run runs both)
+test-core: install
+	$(BIN)/python -m amdllm.course build
+	AMDLLM_BACKEND=off .ci/without_compiler $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile \
+	    --durations=15 tests
 
 model: install
 	$(BIN)/python -m amdllm.course build --force

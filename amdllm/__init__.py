@@ -1,20 +1,11 @@
-"""amdllm: fine-tune and quantize Llama-family models with JAX, on AMD GPUs, TPUs and laptop CPUs.
-
-The package is layered; a module imports only from its own layer or lower ones (tests/test_imports.py):
-
-    L0  config, files, env, heap,   configuration, atomic file writes, the machine's facts, glibc's malloc
-        cpu                         for XLA:CPU, CPU back-end options
-    L0  native/                     C++ kernels XLA calls on a CPU: bf16 weights times a few rows (decoding)
-                                    or many (AMX tiles: training, evaluation)
-    L1  model/                      the Llama model, LoRA factors, GPTQ-packed weights
-    L2  io/, parallel/              checkpoints, adapters, tokenizers; meshes, rules, the planner
+"""amdllm: fine-tune and quantize Llama-family models with JAX. Layers (a module imports its own or lower):
+    L0  config, files, env          configuration, atomic file writes, the machine's facts
+    L1  model/                      the Llama model, its fast paths, LoRA factors, GPTQ-packed weights
+    L2  io/, parallel/, backends/   checkpoints and tokenizers; meshes and the planner; one seam per machine
     L3  quant/, infer/              GPTQ and RTN; generation, perplexity, serving
-    L4  train/                      LoRA fine-tuning (it evaluates by generating)
+    L4  train/                      LoRA fine-tuning
     L5  course/, cli/               the course and its default model; the `amdllm` command
-
-The modules a lesson uses most are also reachable from here, loaded on first use:
-`from amdllm import checkpoint, course, plots` (amdllm.io.checkpoint, amdllm.course, amdllm.course.plots).
-"""
+Short names, loaded on first use: `from amdllm import checkpoint, course, plots`."""
 import importlib
 
 __version__ = "0.1.0"

@@ -5,7 +5,6 @@ runs everything — slowly — without a word. So the check is split in two:
   * `collect_facts()` gathers plain facts (device nodes, env vars, versions, what JAX and PyTorch see);
   * `diagnose(facts)` is a pure function from those facts to warnings, so tests can feed any machine
     ("/dev/kfd exists, torch.version.hip = '6.2', JAX backend cpu") and check the advice.
-What the process's malloc has (huge pages, the glibc version) comes from `amdllm.heap`, which sets it.
 """
 from __future__ import annotations
 
@@ -17,7 +16,6 @@ import platform
 import shutil
 import sys
 
-from amdllm import heap
 
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "numpy", "torch", "transformers", "peft", "tokenizers",
             "safetensors")
@@ -114,7 +112,6 @@ def collect_facts() -> dict:
             "rocm_smi": shutil.which("rocm-smi") or shutil.which("amd-smi"),
             "nvidia_smi": shutil.which("nvidia-smi"),
         },
-        "huge_pages": heap.huge_page_facts(),
         "env": {k: os.environ.get(k) for k in ENV_VARS},
     }
 
@@ -195,10 +192,9 @@ def format_report(r: dict) -> str:
     s = r["system"]
     lines.append(f"system: /dev/kfd={s['dev_kfd']} render nodes={len(s['dev_dri_render'])} "
                  f"/dev/nvidia*={len(s['dev_nvidia'])} /opt/rocm={s['opt_rocm']} rocm-smi={s['rocm_smi']}")
-    h = r.get("huge_pages") or {}
-    tunables = f"GLIBC_TUNABLES={h['glibc_tunables']}" if h.get("glibc_tunables") else "GLIBC_TUNABLES unset"
-    lines.append(f"huge pages: malloc {'on' if h.get('malloc_hugetlb') else 'off'} ({tunables}), "
-                 f"transparent huge pages {h.get('thp')}, glibc {h.get('glibc')}")
+    b = r.get("amdllm_backend") or {}
+    parts = ", ".join(f"{k.replace('_', ' ')} {'on' if v else 'off'}" for k, v in b.items() if k != "backend")
+    lines.append(f"amdllm backend: {b.get('backend', '?')}" + (f" ({parts})" if parts else ""))
     set_env = {k: v for k, v in r["env"].items() if v is not None}
     lines.append("env: " + (", ".join(f"{k}={v}" for k, v in set_env.items()) or "(none of the JAX/ROCm variables set)"))
     lines += [f"WARNING: {m}" for m in r["warnings"]] or ["no warnings"]

@@ -8,9 +8,6 @@ GPTQ settings: 4-bit, group 128, symmetric, true-sequential, damp 0.01, no act-o
 calibration batch 8.
 Each side runs in its own process, one after the other, timed from the parent (wall and CPU seconds of
 the child) and from inside (load -> calibrate -> quantize -> pack -> save, no imports/start-up).
-`amdllm quantize` runs with the glibc tunables it gives itself; GPTQModel once in each distinct
-GLIBC_TUNABLES of: unset, this process's, and amdllm's (common.child_plan), and its fastest is compared
-(every environment's wall time is in the JSON, `gptqmodel_wall_s_by_environment`).
 amdllm's side is the `amdllm quantize` command a user runs (it also computes its per-layer GPTQ-vs-RTN
 report, GPTQModel does its own logging). Both checkpoints are then loaded by `amdllm.io.checkpoint.load`
 and scored by the same protocol: `amdllm eval`'s (docs/cli.md) (held-out course text, tokenized whole,
@@ -41,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import find_gptqmodel_python as common_find_gptqmodel_python  # noqa: E402
-from common import child_plan, table, write_json  # noqa: E402
+from common import table, write_json  # noqa: E402
 
 PPL_TARGET = 1.02   # amdllm's perplexity may be at most 2% above GPTQModel's
 TIME_TARGET = 1.0   # amdllm's quantize time at most GPTQModel's
@@ -183,21 +180,13 @@ def main() -> None:
             extra["gptqmodel"] = ("not importable: pass --gptqmodel-python or set AMDLLM_GPTQMODEL_PYTHON "
                                   "(`make bench` installs GPTQModel 7.7.0); comparison skipped")
         else:
-            # GPTQModel runs once in each distinct GLIBC_TUNABLES of: unset, this process's, and the one
-            # `amdllm quantize` gives itself (common.child_plan); the fastest is compared
             workers = os.environ.get("GPTQMODEL_CPU_WORKERS", str(os.cpu_count() or 1))
-            runs = {}
-            for i, (label, _, env) in enumerate(child_plan("amdllm", "GPTQModel", "quantize")[1:]):
-                env = {**env, "GPTQMODEL_CPU_WORKERS": workers}
-                cmd = [gm_python, str(Path(__file__).resolve()), "--group-size", str(args.group_size),
-                       "--gptqmodel-side", str(model_dir), str(tmp / "windows.npy"), str(tmp / f"gptqmodel{i}")]
-                runs[label] = (tmp / f"gptqmodel{i}",) + timed_child(
-                    cmd + (["--act-order"] if args.act_order else []), env=env,
-                    log=Path(args.out) / f"gptqmodel{i}.log" if args.out else None)
-                print(f"{label}: {runs[label][2]['wall_s']} s", file=sys.stderr, flush=True)
-            label = min(runs, key=lambda k: runs[k][2]["wall_s"])
-            gm_dir, out, t = runs[label]
-            extra["gptqmodel_wall_s_by_environment"] = {k: v[2]["wall_s"] for k, v in runs.items()}
+            gm_dir = tmp / "gptqmodel"
+            cmd = [gm_python, str(Path(__file__).resolve()), "--group-size", str(args.group_size),
+                   "--gptqmodel-side", str(model_dir), str(tmp / "windows.npy"), str(gm_dir)]
+            out, t = timed_child(cmd + (["--act-order"] if args.act_order else []),
+                                 env={**os.environ, "GPTQMODEL_CPU_WORKERS": workers},
+                                 log=Path(args.out) / "gptqmodel.log" if args.out else None)
             # progress bars may share the line: take what follows the marker
             res = json.loads(out[out.rindex("GPTQMODEL_RESULT ") + 17:].splitlines()[0])
             q = checkpoint.load(gm_dir)   # GPTQModel's checkpoint, read by amdllm
@@ -207,7 +196,7 @@ def main() -> None:
             print(rows[-1], flush=True)
             extra["checkpoint_agreement"] = code_agreement(tmp / "gptq", gm_dir)
             extra["gptqmodel"] = {"version": res["version"], "torch": res["torch"],
-                                  "cpu_workers": workers, "python": gm_python, "environment": label}
+                                  "cpu_workers": workers, "python": gm_python}
             ours, theirs = rows[1], rows[-1]
             extra["ratios_amdllm_over_gptqmodel"] = {
                 "wall_time": round(ours["wall_s"] / theirs["wall_s"], 3),

@@ -39,7 +39,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_lora_shape_args, find_gptqmodel_python, summarize, table, write_json  # noqa: E402
+from common import find_gptqmodel_python, summarize, table, write_json  # noqa: E402
+
+
+def add_lora_shape_args(p) -> None:
+    """The model and run shape (a 31M Llama, batch 8 x 256, rank 8 on all projections)."""
+    for flag, default in (("--hidden", 512), ("--layers", 8), ("--heads", 8), ("--kv-heads", 2), ("--mlp", 1408),
+                          ("--vocab", 8192), ("--batch", 8), ("--seq", 256), ("--rank", 8)):
+        p.add_argument(flag, type=int, default=default)
+    p.add_argument("--targets", default="q,k,v,o,gate,up,down")
 
 REPO = Path(__file__).resolve().parents[1]
 PPL_TOLERANCE = 1e-3   # |ours / peft's - 1| on the held-out text (the test's bound too)

@@ -7,14 +7,12 @@ use only the first rows of the vocabulary; tokenization is not what is measured)
 
   eval bf16 / fp32    `amdllm eval --dtype D`        vs transformers, the same protocol (docs/cli.md)
   generate            `amdllm generate`, 64 tokens, at its default (--dtype auto) and in float32   vs
-                      transformers' greedy `generate` in its faster dtype here (both are run, each with
-                      GLIBC_TUNABLES=glibc.malloc.hugetlb=1 and unset: its fastest is taken); steady decode
+                      transformers' greedy `generate` in its faster dtype here (both are run); steady decode
                       rates, prefill excluded on both sides; --rounds interleaved rounds, each side's best
   quantize            `amdllm quantize` 4-bit g128, 16 x 256 calibration   vs GPTQModel (when installed)
   finetune            `amdllm finetune`, 4 steps, batch 1 x 256, r8, at its default (the checkpoint's bf16) and
                       in float32     vs peft + torch AdamW in its faster dtype here (both are run where the
-                      CPU has bf16 instructions; float32 alone where it has not: PyTorch's bf16 is slow there),
-                      then that dtype also with GLIBC_TUNABLES unset and with finetune's kept heap: its fastest
+                      CPU has bf16 instructions; float32 alone where it has not: PyTorch's bf16 is slow there)
   serve               `amdllm serve` (auto, float32) start, then warm chat requests of 1 and 33 tokens: the time
                       per decoded token is their difference over 32 (compare generate's)   (no peer)
   convert             `amdllm convert` to float16    vs transformers from_pretrained + save_pretrained
@@ -44,7 +42,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import child_plan, table, write_json  # noqa: E402
+from common import table, write_json  # noqa: E402
 
 LLAMA32_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                   num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
@@ -135,11 +133,10 @@ def warm_page_cache(argv: list[str]) -> None:
 
 def measured(argv: list[str], env: dict | None = None) -> dict:
     """Run argv in its own process (through a fresh wrapper): {rc, wall_s, cpu_s, peak_rss_gb, stdout, stderr}.
-    env: variables to set over this process's (GLIBC_TUNABLES=glibc.malloc.hugetlb=1 unless given; a value of
-    None removes the variable). The checkpoints argv names are read into the page cache first (untimed)."""
+    env: variables to set over this process's (a value of None removes the variable). The checkpoints argv
+    names are read into the page cache first (untimed)."""
     warm_page_cache(argv)
-    env = {**os.environ, "GLIBC_TUNABLES": HUGETLB_ONLY, **(env or {})}
-    env = {k: v for k, v in env.items() if v is not None}
+    env = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
     p = subprocess.run([sys.executable, "-c", MEASURE, *argv], capture_output=True, text=True, env=env)
     r = json.loads(p.stdout.strip().splitlines()[-1])
     if r["rc"] != 0:
@@ -147,40 +144,9 @@ def measured(argv: list[str], env: dict | None = None) -> dict:
     return r
 
 
-HUGETLB_ONLY = "glibc.malloc.hugetlb=1"  # the GLIBC_TUNABLES `measured` gives a process unless told otherwise
-
-
-def peer_envs(command: str) -> dict[str, dict | None]:
-    """The environments a peer of `amdllm <command>` runs in, as bench_lora's (`common.child_plan`): GLIBC_TUNABLES
-    unset, hugetlb=1, and for finetune with its kept heap -> name ("unset", "hugetlb=1", "<command>'s") ->
-    `measured`'s env."""
-    envs = {}
-    for _, _, env in child_plan("amdllm", "peer", command, {**os.environ, "GLIBC_TUNABLES": HUGETLB_ONLY})[1:]:
-        t = env.get("GLIBC_TUNABLES", "")
-        name = "unset" if not t else "hugetlb=1" if t == HUGETLB_ONLY else f"{command}'s"
-        envs[name] = None if t == HUGETLB_ONLY else {"GLIBC_TUNABLES": t or None}
-    return envs
-
-
-def fastest_peer(argv: list[str], command: str, env: dict | None = None, score=lambda p: p["wall_s"],
-                 measured_in: dict | None = None) -> tuple[dict[str, dict], str, dict[str, float]]:
-    """argv (a peer of `amdllm <command>`) run once in each of `peer_envs(command)` (with `env` over each) but
-    those `measured_in` already ({name: process}) -> ({name: process}, the name of the lowest score(process),
-    {name: score}); a failed process is taken only if every one failed."""
-    runs = dict(measured_in or {})
-    runs.update({name: measured(argv, env={**(env or {}), **(e or {})})
-                 for name, e in peer_envs(command).items() if name not in runs})
-    scores = {n: score(p) for n, p in runs.items() if p["rc"] == 0} or {n: score(p) for n, p in runs.items()}
-    return runs, min(scores, key=scores.get), scores
-
-
 def median_step(p: dict) -> float:
     """The median of the 5 steps a finetune process (peft's `--peer` side) timed."""
     return sorted(last_json(p).get("step_seconds", [1e9]))[2]
-
-
-def env_note(name: str, walls: dict[str, float]) -> str:
-    return f"; peer's GLIBC_TUNABLES: {', '.join(f'{n} {s:.1f} s' for n, s in walls.items())}: {name} taken"
 
 
 def amdllm(*args) -> list[str]:
@@ -273,21 +239,26 @@ def peer_convert(model: str, out: str) -> dict:
     return {}
 
 
+def cpu_flags() -> list[str]:
+    try:
+        return next((ln.split(":", 1)[1].split() for ln in open("/proc/cpuinfo") if ln.startswith("flags")), [])
+    except OSError:
+        return []
+
+
 def bf16_instructions() -> list[str]:
-    """The bf16 instructions this CPU lists (`amdllm.cpu.BF16_FLAGS`); PyTorch's bf16 and amdllm's bf16 dots
-    are fast only with them."""
-    from amdllm.cpu import BF16_FLAGS, cpu_flags
-    flags = cpu_flags()
-    return [f for f in BF16_FLAGS if f in flags]
+    """The bf16 instructions this CPU lists: PyTorch's bf16 is fast only with them."""
+    return [f for f in ("avx512_bf16", "amx_bf16") if f in cpu_flags()]
 
 
 def machine() -> dict:
     """What the figures depend on: the CPU's model, cores and bf16 instructions (`bf16_instructions`)."""
-    from amdllm.cpu import cpu_flags, has_bf16_dots
-    model = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), None)
-    flags = cpu_flags()
+    try:
+        model = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), None)
+    except OSError:
+        model = None
     return {"cpu": model, "cores": os.cpu_count(), "bf16_instructions": bf16_instructions(),
-            "avx512f": "avx512f" in flags, "amdllm_bf16_dots": has_bf16_dots(),
+            "avx512f": "avx512f" in cpu_flags(),
             "mem_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1)}
 
 
@@ -389,26 +360,20 @@ def main(argv=None) -> int:
     if "eval" in only:
         for dt in ("bfloat16", "float32"):
             ours = measured(amdllm("eval", "--model", str(ck), "--text", str(text), "--dtype", dt, "--json"))
-            peers, name, walls = fastest_peer(me + ["eval", str(ck), str(text), dt], "eval")
-            peer = peers[name]
+            peer = measured(me + ["eval", str(ck), str(text), dt])
             o, t = last_json(ours), last_json(peer)
             row(f"eval {dt} ({o.get('tokens')} tokens)", ours, peer, "transformers",
-                f"nll {o.get('nll', float('nan')):.5f} vs {t.get('nll', float('nan')):.5f}" + env_note(name, walls),
+                f"nll {o.get('nll', float('nan')):.5f} vs {t.get('nll', float('nan')):.5f}",
                 ours_bytes=nbytes * (2 if dt == "float32" else 1))
     gen_rate, gen_dtype = {}, {}  # amdllm generate's steady tokens/s and chosen dtype per --dtype, for serve
     if "generate" in only:
         # the VM's memory bandwidth drifts by 10-25% over minutes and decoding is bound by it, so the sides
         # run interleaved, a.rounds times each, and each side's best round is compared (every round's rate
         # is in the note); RSS is the largest of its rounds
-        runs = {}  # (side, dtype) -> [measured process]
-        # transformers' faster dtype depends on the CPU (bf16 instructions), and its faster glibc environment
-        # on the machine: each dtype runs in each of `peer_envs` (here hugetlb=1, amdllm generate's own, and
-        # GLIBC_TUNABLES unset); "bfloat16" is bf16 with hugetlb=1, "bfloat16 unset" bf16 unset
-        gen_envs = {("" if n == "hugetlb=1" else " " + n): e for n, e in peer_envs("generate").items()}
+        runs = {}  # (side, dtype) -> [measured process]; transformers' faster dtype depends on the CPU
         for _ in range(a.rounds):
             for pdt in ("bfloat16", "float32"):
-                for name, e in gen_envs.items():
-                    runs.setdefault(("peer", pdt + name), []).append(measured(me + ["generate", str(ck), pdt], env=e))
+                runs.setdefault(("peer", pdt), []).append(measured(me + ["generate", str(ck), pdt]))
             for dt in ("auto", "float32"):  # auto: amdllm's default (it says what it chose)
                 runs.setdefault(("ours", dt), []).append(measured(amdllm(
                     "generate", "--model", str(ck), "--prompt", PROMPT, "--max-new-tokens", "64", "--dtype", dt,
@@ -424,10 +389,9 @@ def main(argv=None) -> int:
             p, o = done[rates.index(max(rates))]
             return {**p, "peak_rss_gb": max(q["peak_rss_gb"] for q, _ in done)}, o, rates
 
-        peers = {k: best_of(("peer", k), "steady_tokens_per_second")
-                 for k in (pdt + name for pdt in ("bfloat16", "float32") for name in gen_envs)}
+        peers = {k: best_of(("peer", k), "steady_tokens_per_second") for k in ("bfloat16", "float32")}
         rate = {d: peers[d][1].get("steady_tokens_per_second", 0) for d in peers}
-        best = max(rate, key=rate.get)  # e.g. "bfloat16 unset": bf16 with GLIBC_TUNABLES unset
+        best = max(rate, key=rate.get)
         peer, t, peer_rates = peers[best]
         for dt in ("auto", "float32"):
             ours, o, our_rates = best_of(("ours", dt), "tokens_per_second")
@@ -439,7 +403,7 @@ def main(argv=None) -> int:
                 f"{', '.join(f'{r:.2f}' for r in our_rates)}, transformers {best} "
                 f"{', '.join(f'{r:.2f}' for r in peer_rates)}; transformers "
                 + ", ".join(f"{k} {v:.2f}" for k, v in rate.items())
-                + f" (unset: GLIBC_TUNABLES unset); its whole call, prefill included: "
+                + "; its whole call, prefill included: "
                 f"{t.get('tokens_per_second', 0):.2f})",
                 ours_bytes=nbytes * (2 if o.get("dtype") == "float32" else 1))
     if "quantize" in only:
@@ -460,14 +424,12 @@ def main(argv=None) -> int:
                     "bench_gptq.gptqmodel_side(%r, %r, %r, %d, False)"
                     % (str(Path(__file__).resolve().parent), str(work / "gptq4-gm"), str(ck), str(win),
                        str(work / "gptq4-gm"), g))
-            peers, name, walls = fastest_peer([a.gptqmodel_python, "-c", code], "quantize",
-                                              env={"GPTQMODEL_CPU_WORKERS": str(os.cpu_count())})
-            peer = peers[name]
+            peer = measured([a.gptqmodel_python, "-c", code], env={"GPTQMODEL_CPU_WORKERS": str(os.cpu_count())})
         o = last_json(ours)
         on_disk = sum(f.stat().st_size for f in q.glob("*.safetensors"))
         row(f"quantize 4-bit g{g}, 16x256", ours, peer, "GPTQModel" if peer else "GPTQModel not installed",
             f"bf16 checkpoint; GPTQModel loads it as float32 like the course bench; model_bytes "
-            f"{o.get('model_bytes')} vs {on_disk} on disk" + (env_note(name, walls) if peer else ""))
+            f"{o.get('model_bytes')} vs {on_disk} on disk")
     if "finetune" in only:
         f = work / "lora"
         shutil.rmtree(f, ignore_errors=True)
@@ -478,15 +440,9 @@ def main(argv=None) -> int:
         peers = {pdt: measured(me + ["finetune", str(ck), str(data), pdt]) for pdt in pdts}
         med = {d: median_step(p) for d, p in peers.items()}
         peer_dt = min(med, key=med.get)  # peft's faster dtype on this CPU
-        # and its faster environment (`peer_envs`: GLIBC_TUNABLES unset, and the kept heap `amdllm finetune`
-        # gives itself, with which PyTorch ran fastest on the 31M shape; hugetlb=1 ran above)
-        by_env, peer_env, env_med = fastest_peer(me + ["finetune", str(ck), str(data), peer_dt], "finetune",
-                                                 score=median_step, measured_in={"hugetlb=1": peers[peer_dt]})
         peft_steps = ", ".join(f"{'bf16' if d == 'bfloat16' else d} {med[d]:.2f} s ({peers[d]['peak_rss_gb']} GB)"
                                for d in pdts) + ("" if len(pdts) > 1 else "; bf16 not run: no bf16 instructions")
-        peer, med[peer_dt] = by_env[peer_env], env_med[peer_env]
-        peft_steps += (f"; {peer_dt} with GLIBC_TUNABLES " + ", ".join(
-            f"{n} {env_med[n]:.2f} s ({by_env[n]['peak_rss_gb']} GB)" for n in by_env) + f": {peer_env} taken")
+        peer = peers[peer_dt]
         for dt in ("auto", "float32"):  # auto: the checkpoint's bfloat16 (the default)
             shutil.rmtree(f, ignore_errors=True)
             ours = measured(amdllm("finetune", "--model", str(ck), "--data", str(data), "--out", str(f), "--steps",

@@ -73,14 +73,6 @@ def machine_info() -> dict:
     return info
 
 
-def add_lora_shape_args(p) -> None:
-    """The LoRA benchmarks' model and run shape (the 31M Llama, batch 8 x 256, rank 8 on all projections)."""
-    for flag, default in (("--hidden", 512), ("--layers", 8), ("--heads", 8), ("--kv-heads", 2), ("--mlp", 1408),
-                          ("--vocab", 8192), ("--batch", 8), ("--seq", 256), ("--rank", 8)):
-        p.add_argument(flag, type=int, default=default)
-    p.add_argument("--targets", default="q,k,v,o,gate,up,down")
-
-
 def summarize(samples: list[float]) -> dict:
     s = sorted(samples)
     return {"median": statistics.median(s), "min": s[0], "max": s[-1], "n": len(s),
@@ -117,8 +109,7 @@ def run_rounds(script: str, plan, runs: int, argv: list[str], *extra: str,
                describe=lambda r: "done") -> dict[str, list[dict]]:
     """`runs` rounds of one child process per entry of `plan`, in order (amdllm, peer, amdllm, ...), so that a
     load change on a shared machine hits every side -> {label: [each process's result]}. `plan` lists sides
-    (names) or (label, side, env) triples (`child_plan`: one side in several environments). describe(result)
-    is printed to stderr after each process."""
+    (names) or (label, side, env) triples. describe(result) is printed to stderr after each process."""
     plan = [(p, p, None) if isinstance(p, str) else p for p in plan]
     results = {label: [] for label, _, _ in plan}
     for i in range(runs):
@@ -127,49 +118,6 @@ def run_rounds(script: str, plan, runs: int, argv: list[str], *extra: str,
             results[label].append(r)
             print(f"round {i + 1}/{runs} {label}: {describe(r)}", file=sys.stderr, flush=True)
     return results
-
-
-TUNABLES = "GLIBC_TUNABLES"
-
-
-def with_tunables(environ, tunables: str | None) -> dict:
-    """`environ` with GLIBC_TUNABLES set to `tunables` (None or "": unset)."""
-    env = {k: v for k, v in environ.items() if k != TUNABLES}
-    return {**env, TUNABLES: tunables} if tunables else env
-
-
-def child_plan(ours: str, peer: str, command: str, environ=None) -> list[tuple[str, str, dict]]:
-    """Who runs in which environment: (label, side, env) for `run_rounds`.
-
-    Our side runs in the environment the `amdllm <command>` gives itself (`amdllm.heap.malloc_env`: glibc
-    malloc tunables, re-executing itself), so the benchmark times what a user of the command gets. The
-    peer runs in each distinct GLIBC_TUNABLES among: none (what a user of the peer has), the parent's
-    (`make bench` sets glibc.malloc.hugetlb=1), ours, and for a training command ours with freed blocks
-    kept in the heap (`amdllm.heap.HEAP_KEPT`, which `amdllm finetune` sets once its step is compiled:
-    `keep_heap`); a report takes the peer's fastest (`best_peer`).
-    Why: one environment for both sides is no fair default. On a 2-core Zen 4 VM, hugetlb=1 made
-    PyTorch's LoRA step erratic and slower (1.7-2.7 s against 1.76-1.85 s unset), while the kept heap
-    made it faster (1.68-1.76 s): docs/benchmark-history.md, "the peer's environment"."""
-    from amdllm.heap import HEAP_KEPT, TRAINING_COMMANDS, appended_tunables, malloc_env
-    environ = dict(os.environ if environ is None else environ)
-    env_ours = malloc_env(environ) or environ
-    plan, seen = [(ours, ours, env_ours)], set()
-    kept = appended_tunables(env_ours, HEAP_KEPT) if command in TRAINING_COMMANDS else ""
-    for tunables in ("", environ.get(TUNABLES, ""), env_ours.get(TUNABLES, ""), kept):
-        if tunables not in seen:
-            seen.add(tunables)
-            plan.append((peer_label(peer, tunables), peer, with_tunables(environ, tunables)))
-    return plan
-
-
-def peer_label(peer: str, tunables: str) -> str:
-    return f"{peer} [{TUNABLES}={tunables}]" if tunables else f"{peer} [{TUNABLES} unset]"
-
-
-def best_peer(runs: dict[str, list[dict]], peer: str, seconds) -> str:
-    """The label of the peer's environment with the lowest median over its runs of seconds(result)."""
-    labels = [k for k in runs if k == peer or k.startswith(peer + " [")]
-    return min(labels, key=lambda k: statistics.median(seconds(r) for r in runs[k]))
 
 
 def write_json(result: dict, out: str | os.PathLike | None, name: str) -> Path | None:

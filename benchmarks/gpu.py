@@ -168,9 +168,9 @@ def random_int4(model, group_size=128, seed=0):
 
 def per_layer_copies(layers: dict) -> list[dict]:
     """Stacked layer weights [L, ...] as L per-layer dicts, copied on the device (the weights' memory twice).
-    `amdllm.model.views.layer_views` makes such views without copying on a CPU only; this lets a GPU run the
-    same unrolled decode step, to see what the layer scan costs there."""
-    from amdllm.model.views import layer_slices
+    The CPU backend makes such views without copying (`amdllm.backends.cpu`); this lets a GPU run the same
+    unrolled decode step, to see what the layer scan costs there."""
+    from amdllm.model.fast import layer_slices
     return layer_slices(layers)  # outside jit: each slice is a copy
 
 
@@ -235,18 +235,20 @@ def decode(cfg, quant: bool, batches, new_tokens, bandwidth, log, route: str = "
     sheet = HBM_BYTES_PER_S.get(accelerator_name())
     label = f"int4-g128 ({route})" if quant else "bf16"
     out = []
-    real_views = G.layer_views
+    real_prepare = G.backends.prepare
     copies = {}
 
-    def unrolled_views(layers, rows=1):
+    def unrolled_prepare(top, layers, *, rows):
+        import dataclasses
+        w = real_prepare(top, layers, rows=rows)
         key = id(jax.tree.leaves(layers)[0])
         if key not in copies:
             copies.clear()
-            copies[key] = per_layer_copies(layers)
-        return copies[key]
+            copies[key] = per_layer_copies(w.stacked)
+        return dataclasses.replace(w, layers=copies[key], max_rows=1 << 30)
     try:
         for variant in variants:
-            G.layer_views = unrolled_views if variant == "unrolled" else real_views
+            G.backends.prepare = unrolled_prepare if variant == "unrolled" else real_prepare
             for B in batches:
                 prompts = np.random.default_rng(0).integers(3, cfg.vocab_size, (B, 32)).tolist()
                 dec = G.Decoder(model, eos_ids=(), per_layer=variant == "unrolled", unstack=variant == "sliced")
@@ -278,7 +280,7 @@ def decode(cfg, quant: bool, batches, new_tokens, bandwidth, log, route: str = "
                 log(json.dumps({k: v for k, v in r.items() if k != "profile"}))
                 out.append(r)
     finally:
-        G.layer_views = real_views
+        G.backends.prepare = real_prepare
         copies.clear()
     del model
     jax.clear_caches()

@@ -4,7 +4,7 @@ Target: all of them in under 15 minutes on 2 CPU cores; ARGS holds the trimmed s
 `make bench` inside it (each script's own defaults are for a longer, quieter run). The summary gives each
 script's wall and CPU seconds and the load average around it: on a shared machine wall time alone misleads.
 
-    python benchmarks/run_all.py --out bench_results [--only lora,decode]
+    python benchmarks/run_all.py --out bench_results [--only load,gptq]
 """
 from __future__ import annotations
 
@@ -19,15 +19,12 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BENCHES = {  # name -> script; each takes --out DIR and writes DIR/<name>.json
-    "lora": "bench_lora.py",
-    "decode": "bench_decode.py",
     "load": "bench_load.py",
     "gptq": "bench_gptq.py",
     "serve": "bench_serve.py",
     "qlora": "bench_qlora.py",
 }
 ARGS = {  # extra arguments under `make bench` (the settings BENCHMARKS.md's figures were taken with)
-    "decode": ["--repeats", "2"],
     "load": ["--repeats", "2"],
     "gptq": ["--samples", "64"],
     "qlora": ["--rounds", "2"],  # ~3 min on 2 cores: 4 finetune processes of the 31M shape, the peft row

@@ -5,7 +5,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from amdllm import native
 from amdllm.model import fast
 from amdllm.model.attention import attention, cached_attention, library_attention
 from amdllm.model.fast import causal_attention, query_blocks
@@ -33,101 +32,6 @@ def test_causal_attention_matches_textbook(block):
     g_got = jax.grad(lambda *a: jnp.sum(causal_attention(*a, mask, block_rows=block) * w), argnums=(0, 1, 2))(q, k, v)
     for name, a, b in zip("qkv", g_got, g_ref):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6, err_msg=f"d{name}")
-
-
-@pytest.mark.parametrize("block,H,Hkv,hd", [(32, 4, 2, 8), (5, 4, 2, 8), (4, 6, 3, 24), (3, 4, 4, 16), (16, 8, 1, 64)])
-def test_native_attention_matches_textbook(block, H, Hkv, hd):
-    """amdllm/native/attention.cc: outputs and the three gradients equal the textbook's on packed rows, left
-    padding (rows whose keys are all masked), grouped heads, blocks that do not divide T, head sizes off the
-    vector width."""
-    assert native.attention_available()
-    q, k, v, mask, w, real = _inputs(H=H, Hkv=Hkv, hd=hd)
-    scale = 1 / np.sqrt(hd)
-    ref, got = attention(q, k, v, mask), native.causal_attention(q, k, v, mask, scale, block)
-    np.testing.assert_allclose(np.asarray(got * real), np.asarray(ref * real), atol=1e-6)
-    assert np.isfinite(np.asarray(got)).all()
-    g_ref = jax.grad(lambda *a: jnp.sum(attention(*a, mask) * w), argnums=(0, 1, 2))(q, k, v)
-    g_got = jax.grad(lambda *a: jnp.sum(native.causal_attention(*a, mask, scale, block) * w),
-                     argnums=(0, 1, 2))(q, k, v)
-    for name, a, b in zip("qkv", g_got, g_ref):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=3e-6, err_msg=f"d{name}")
-
-
-def test_native_attention_equals_the_blocked_one_on_padding_rows_too():
-    """A row whose keys are all masked gets the XLA version's uniform weights over its block, in the output
-    and in the backward (a loss that does not ignore padding rows)."""
-    q, k, v, mask, _, _ = _inputs()
-    w = jnp.asarray(np.random.default_rng(3).normal(size=q.shape), jnp.float32)
-    f = lambda fn: jax.value_and_grad(lambda *a: jnp.sum(fn(*a) * w), argnums=(0, 1, 2))(q, k, v)  # noqa: E731
-    (l1, g1), (l2, g2) = (f(lambda *a: causal_attention(*a, mask, block_rows=8)),
-                          f(lambda *a: native.causal_attention(*a, mask, 1 / np.sqrt(8), 8)))
-    np.testing.assert_allclose(float(l2), float(l1), rtol=1e-5)
-    for a, b in zip(g2, g1):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=3e-6)
-
-
-def test_native_attention_widens_bf16():
-    """bf16 q, k and v: the float32 attention of the widened values rounded once to bf16, and bf16
-    gradients that are the float32 ones rounded once."""
-    q, k, v, mask, w, real = _inputs(H=4, Hkv=2, hd=16)
-    q, k, v = (a.astype(jnp.bfloat16) for a in (q, k, v))
-    wide = [a.astype(jnp.float32) for a in (q, k, v)]
-    w = w.astype(jnp.bfloat16).astype(jnp.float32)  # the bf16 output's cotangent carries no rounding
-    got, ref = fast.native_attention(q, k, v, mask), causal_attention(*wide, mask)
-    assert got.dtype == jnp.bfloat16
-    bf16_rounding = 2.0 ** -8  # half of bf16's relative spacing
-    np.testing.assert_allclose(np.asarray((got * real).astype(jnp.float32)), np.asarray(ref * real),
-                               rtol=bf16_rounding, atol=1e-6)
-    g_got = jax.grad(lambda *a: jnp.sum(fast.native_attention(*a, mask).astype(jnp.float32) * w),
-                     argnums=(0, 1, 2))(q, k, v)
-    g_ref = jax.grad(lambda *a: jnp.sum(causal_attention(*a, mask) * w), argnums=(0, 1, 2))(*wide)
-    for name, a, b in zip("qkv", g_got, g_ref):
-        assert a.dtype == jnp.bfloat16
-        np.testing.assert_allclose(np.asarray(a.astype(jnp.float32)), np.asarray(b), rtol=bf16_rounding,
-                                   atol=3e-6, err_msg=f"d{name}")
-
-
-@pytest.mark.parametrize("T,H,Hkv,hd,S", [(1, 8, 2, 64, 40), (5, 6, 3, 24, 37), (3, 4, 4, 16, 16)])
-def test_native_cached_attention_matches_xla(T, H, Hkv, hd, S):
-    """The decode step's attention over a head-major cache (amdllm/native/attention.cc): the XLA version's
-    output, rows whose slots are all masked included (uniform weights in both); its gradient is XLA's."""
-    rng = np.random.default_rng(4)
-    q = jnp.asarray(rng.normal(size=(2, T, H, hd)), jnp.float32)
-    k, v = (jnp.asarray(rng.normal(size=(2, Hkv, S, hd)), jnp.float32) for _ in range(2))
-    mask = rng.random((2, T, S)) < 0.6
-    mask[1, 0] = False  # a row that sees no slot
-    mask = jnp.asarray(mask)
-    got, ref = fast.native_cached_attention(q, k, v, mask), cached_attention(q, k, v, mask)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-6)
-    g = [jax.grad(lambda q, f=f: jnp.sum(jnp.sin(f(q, k, v, mask))))(q)
-         for f in (fast.native_cached_attention, cached_attention)]
-    np.testing.assert_allclose(np.asarray(g[0]), np.asarray(g[1]), atol=1e-5)
-
-
-def test_native_cached_attention_reads_no_slot_past_the_last_seen():
-    """A decode cache is sized for the whole generation; the kernel stops at the last slot any row of a
-    sequence sees (rounded up to whole vectors), so what lies past it is never read: inf there changes
-    nothing, and the output is the XLA version's over a zeroed tail. A row that sees no slot keeps its
-    uniform weights over every slot (the XLA version's), so that sequence still reads them all."""
-    rng = np.random.default_rng(5)
-    B, T, H, Hkv, hd, S, seen = 3, 2, 4, 2, 16, 96, 21
-    q = jnp.asarray(rng.normal(size=(B, T, H, hd)), jnp.float32)
-    k, v = (rng.normal(size=(B, Hkv, S, hd)).astype(np.float32) for _ in range(2))
-    mask = np.zeros((B, T, S), bool)
-    mask[:, 0, :seen - 1] = True
-    mask[:, 1, 3:seen] = True  # the last slot seen is seen - 1, by row 1
-    mask[2, 1] = False         # sequence 2: a row that sees nothing, so every slot is read
-    tail = 32                  # past seen, rounded up to 16 float32 lanes (AVX-512) or 8 (AVX2)
-    ref = cached_attention(q, jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask))
-    k_inf, v_inf = k.copy(), v.copy()
-    k_inf[:2, :, tail:], v_inf[:2, :, tail:] = np.inf, np.inf
-    got = fast.native_cached_attention(q, jnp.asarray(k_inf), jnp.asarray(v_inf), jnp.asarray(mask))
-    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-6)
-    same = fast.native_cached_attention(q, jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask))
-    assert np.array_equal(np.asarray(same)[:2], np.asarray(got)[:2])
-    v_inf[2, :, tail:] = np.inf  # sequence 2 reads its whole cache: the uniform row sums the inf
-    got = fast.native_cached_attention(q, jnp.asarray(k), jnp.asarray(v_inf), jnp.asarray(mask))
-    assert not np.isfinite(np.asarray(got)[2, 1]).all() and np.isfinite(np.asarray(got)[:2]).all()
 
 
 def test_causal_attention_skips_blocks_above_the_diagonal():
@@ -168,10 +72,7 @@ def test_library_attention_matches_textbook():
 
 def test_attention_implementation_by_backend(monkeypatch):
     monkeypatch.delenv("AMDLLM_ATTENTION", raising=False)
-    assert fast.attention_implementation(jnp.float32) == "native"  # the CPU, where attention.cc builds
-    assert fast.attention_implementation(jnp.bfloat16) == "native"  # widened to float32 for it
-    monkeypatch.setattr(fast.native, "attention_available", lambda: False)
-    assert fast.attention_implementation(jnp.float32) == "blocked"
+    assert fast.attention_implementation(jnp.float32) == "blocked"  # the CPU
     assert fast.attention_implementation(jnp.bfloat16) == "blocked"
 
     class Dev:
@@ -199,7 +100,7 @@ def test_swiglu_gradients():
     np.testing.assert_allclose(np.asarray(jnp.concatenate(g2, -1)), np.asarray(jax.grad(ref)(gu)), atol=1e-5)
 
 
-@pytest.mark.parametrize("impl", ["xla", "blocked", "native"])
+@pytest.mark.parametrize("impl", ["xla", "blocked"])
 def test_model_forward_with_each_attention_equals_textbook(monkeypatch, impl):
     """The fast forward with AMDLLM_ATTENTION=impl gives the textbook model's logits on packed rows with
     padding (what the cuDNN choice replaces on an NVIDIA GPU)."""

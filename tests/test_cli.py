@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import amdllm
-from amdllm import cli, env, heap
+from amdllm import cli, env
 from tests.test_evaluate import reference_perplexity
 from tests.test_generate import hf_greedy
 from tests.tiny import make_hf_checkpoint
@@ -169,11 +169,10 @@ def test_parser_vocabularies_are_the_library_tables():
 
 def test_doctor_json(capfd):
     r = run_json(capfd, ["doctor"])
-    for key in ("backend", "jax", "versions", "torch", "system", "env", "warnings", "host_memory_bytes", "huge_pages"):
+    for key in ("backend", "jax", "versions", "torch", "system", "env", "warnings", "host_memory_bytes", "amdllm_backend"):
         assert key in r
     assert r["backend"] == "cpu" and r["jax"]["devices"][0]["platform"] == "cpu"
     assert r["versions"]["jax"] and r["versions"]["flax"] and isinstance(r["warnings"], list)
-    assert set(r["huge_pages"]) == {"malloc_hugetlb", "glibc_tunables", "glibc", "thp"}
 
 
 def facts(backend="cpu", platform_version="cpu", kfd=False, nvidia=(), torch=None, plugins=None, env_vars=None):
@@ -211,149 +210,21 @@ def test_other_setup_warnings():
     assert "PREALLOCATE" in env.diagnose(facts(backend="gpu", platform_version="rocm", torch=gpu_torch))[0]
 
 
-@pytest.fixture
-def huge_page_machine(monkeypatch):
-    """Linux with glibc 2.36 and THP in madvise mode, whatever this machine is."""
-    monkeypatch.setattr(heap.sys, "platform", "linux")
-    monkeypatch.setattr(heap, "glibc_version", lambda: (2, 36))
-    monkeypatch.setattr(heap, "thp_mode", lambda: "madvise")
-    return monkeypatch
+def test_doctor_names_the_backend_and_no_command_re_executes_itself():
+    """`amdllm doctor --json` reports the amdllm backend in use; the command runs as one process (no
+    re-execution for a malloc setting): its pid is the one started."""
+    root = Path(__file__).resolve().parents[1]
+    code = ("import os, sys, runpy; print('pid', os.getpid(), file=sys.stderr); sys.argv = ['amdllm', 'doctor', '--json'];"
+            " import amdllm.cli; sys.exit(amdllm.cli.main())")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         cwd=root)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    assert f"pid {p.pid}" in err
+    b = json.loads(out)["amdllm_backend"]
+    assert b["backend"] in ("cpu", "none") and (b["backend"] == "none") == (os.environ.get("AMDLLM_BACKEND") == "off")
+    off = subprocess.run([sys.executable, "-m", "amdllm.cli", "doctor"], capture_output=True, text=True, timeout=300,
+                         cwd=root, env={**os.environ, "AMDLLM_BACKEND": "off"})
+    assert off.returncode == 0 and "amdllm backend: none" in off.stdout, off.stderr
 
 
-def test_malloc_env_decisions(huge_page_machine):
-    m = huge_page_machine
-    new = heap.malloc_env({"PATH": "/bin"})
-    assert new == {"PATH": "/bin", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1", heap.REEXEC_ENV: "1"}
-    assert heap.malloc_env(new) is None  # the re-executed command does not go again
-    assert heap.malloc_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})["GLIBC_TUNABLES"] == \
-        "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"  # other tunables kept, ours appended
-    for already in ("glibc.malloc.hugetlb=1", "glibc.malloc.hugetlb=0",
-                    "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=2"):
-        assert heap.malloc_env({"GLIBC_TUNABLES": already}) is None  # named already: the user's choice
-    assert heap.malloc_env({"AMDLLM_HUGETLB": "0"}) is None
-    assert heap.malloc_env({heap.REEXEC_ENV: "1"}) is None
-    m.setattr(heap, "thp_mode", lambda: "always")
-    assert heap.malloc_env({}) is not None
-    for thp in ("never", None):
-        m.setattr(heap, "thp_mode", lambda thp=thp: thp)
-        assert heap.malloc_env({}) is None
-    m.setattr(heap, "thp_mode", lambda: "madvise")
-    for old in ((2, 34), (2, 31), None):  # no such tunable before glibc 2.35; not glibc at all
-        m.setattr(heap, "glibc_version", lambda old=old: old)
-        assert heap.malloc_env({}) is None
-    m.setattr(heap, "glibc_version", lambda: (2, 39))
-    assert heap.malloc_env({}) is not None
-
-
-def test_finetune_keeps_freed_blocks_in_the_heap_after_compiling(huge_page_machine):
-    """The heap is not kept through GLIBC_TUNABLES (from the start, the compiler's freed memory stayed in it:
-    `heap.keep_heap`), but set by the training loop once its step is compiled; the user's choices win."""
-    m = huge_page_machine
-    tunables = ":".join(f"{k}={v}" for k, v in heap.HEAP_KEPT.items())
-    assert tunables == "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"  # the peers' form of it
-    assert heap.malloc_env({})["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
-    assert heap.keep_heap({"GLIBC_TUNABLES": "glibc.malloc.mmap_max=4"}) is False  # named: the user's choice
-    assert heap.keep_heap({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1000"}) is False
-    assert heap.keep_heap({"AMDLLM_HUGETLB": "0"}) is False
-    m.setattr(heap, "glibc_version", lambda: (2, 25))  # no such mallopt behaviour before glibc 2.26
-    assert heap.keep_heap({}) is False
-    m.setattr(heap, "glibc_version", lambda: None)  # not glibc
-    assert heap.keep_heap({}) is False
-
-
-PROBE_START = """
-import ctypes, sys
-from amdllm import heap
-libc = ctypes.CDLL(None)
-libc.malloc.restype = ctypes.c_void_p
-libc.posix_memalign.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_size_t]
-libc.free.argtypes = [ctypes.c_void_p]
-def rss():
-    return int(next(l for l in open("/proc/self/status") if l.startswith("RssAnon")).split()[1]) * 1024
-"""  # what the heap probes below share: glibc's malloc through ctypes, and the process's resident heap
-
-KEPT_PROBE = PROBE_START + """
-kept = heap.keep_heap({}) if sys.argv[1] == "keep" else False
-p = libc.malloc(256 << 20)
-ctypes.memset(p, 1, 256 << 20)
-before = rss()
-libc.free(p)
-print(kept, before - rss())
-"""
-
-
-def heap_probe(probe: str, mode: str) -> list[str]:
-    """The words a probe of glibc's heap prints, run in a process of its own with malloc as glibc sets it."""
-    clean = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "AMDLLM_HUGETLB")}
-    r = subprocess.run([sys.executable, "-c", probe, mode], capture_output=True, text=True, timeout=120,
-                       env=clean, cwd=Path(__file__).resolve().parents[1])
-    assert r.returncode == 0, r.stderr
-    return r.stdout.split()
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux") or (heap.glibc_version() or (0, 0)) < (2, 26),
-                    reason="glibc's malloc only")
-def test_keep_heap_keeps_a_freed_block():
-    """In a process of its own: without `keep_heap` glibc hands a freed 256 MB block back to the kernel (it
-    was mapped for it); after it, the block stays in the heap, resident, for the next allocation."""
-    out = {}
-    for mode in ("keep", "plain"):
-        kept, released = heap_probe(KEPT_PROBE, mode)
-        out[mode] = (kept == "True", int(released))
-    assert out["keep"][0] and out["keep"][1] < (16 << 20), out  # kept: at most noise released
-    assert not out["plain"][0] and out["plain"][1] > (200 << 20), out  # plain: the block goes back
-
-
-ALIGNED_PROBE = PROBE_START + """
-N = 256 << 20
-def step():  # a training step's temporaries as XLA:CPU takes them: one aligned block, all of it written
-    p = ctypes.c_void_p()
-    assert libc.posix_memalign(ctypes.byref(p), 64, N) == 0
-    ctypes.memset(p, 1, N)
-    return p.value
-assert heap.keep_heap({})
-start = rss()
-first = step()
-libc.free(first)
-if sys.argv[1] == "back":  # the same length as "keep": the heap's layout is the same up to here
-    assert heap.hand_back_freed({})
-second = step()
-print(first == second, (rss() - start) / N)
-"""
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux") or (heap.glibc_version() or (0, 0)) < (2, 26),
-                    reason="glibc's malloc only")
-def test_a_freed_step_block_the_next_cannot_reuse_is_handed_back():
-    """In a kept heap, a second aligned block of the first's size may not fit the first's freed block (glibc
-    asks for the alignment's bytes more; `heap.hand_back_freed`), and then both stay resident; handed back
-    between the two, the heap holds one block's pages, reused or not."""
-    out = {}
-    for mode in ("keep", "back"):
-        reused, blocks = heap_probe(ALIGNED_PROBE, mode)
-        out[mode] = (reused == "True", float(blocks))
-    assert out["back"][1] < 1.1, out  # one block resident
-    assert out["keep"][0] or out["keep"][1] > 1.9, out  # kept: reused, or both blocks resident (glibc 2.36)
-
-
-def test_machine_facts_parse(tmp_path):
-    f = tmp_path / "enabled"
-    f.write_text("always [madvise] never\n")
-    assert heap.thp_mode(str(f)) == "madvise"
-    assert heap.thp_mode(str(tmp_path / "missing")) is None
-    assert heap.malloc_hugetlb({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"}) == "1"
-    assert heap.malloc_hugetlb({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) is None
-    assert heap.malloc_hugetlb({}) is None
-
-
-def test_command_sets_huge_page_malloc_itself():
-    """`amdllm` started without GLIBC_TUNABLES runs (re-executed once) with glibc.malloc.hugetlb=1."""
-    clean = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "AMDLLM_HUGETLB", heap.REEXEC_ENV)}
-    out = subprocess.run([sys.executable, "-m", "amdllm.cli", "doctor", "--json"], env=clean, capture_output=True,
-                         text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
-    assert out.returncode == 0, out.stderr
-    h = json.loads(out.stdout)["huge_pages"]
-    if not sys.platform.startswith("linux") or (heap.glibc_version() or (0, 0)) < (2, 35) \
-            or heap.thp_mode() not in ("madvise", "always"):
-        pytest.skip(f"no huge-page malloc here (glibc {h['glibc']}, THP {h['thp']}): nothing to set")
-    assert h["malloc_hugetlb"] and h["glibc_tunables"] == "glibc.malloc.hugetlb=1", h

@@ -123,3 +123,28 @@ def test_environment_yml_installs_the_lock():
 def test_docs_exist_and_are_linked_from_the_readme(name):
     assert (REPO / "docs" / name).is_file()
     assert f"docs/{name}" in (REPO / "README.md").read_text()
+
+
+MEASURED = re.compile(r"#.*\d+(\.\d+)? ?(ms|us|GB/s|tok/s|tokens/s|GFLOP/s|TFLOP/s|x faster|x slower)\b")
+
+
+def test_sizes_a_reader_can_take_in():
+    """README.md at most 150 lines and BENCHMARKS.md 200; a module at most 400 lines, the model file 300; a
+    docstring at most 8 lines; no comment in the package states a measured figure (BENCHMARKS.md holds them)."""
+    assert len((REPO / "README.md").read_text().splitlines()) <= 150
+    assert len((REPO / "BENCHMARKS.md").read_text().splitlines()) <= 200
+    bad = []
+    for py in sorted((REPO / "amdllm").rglob("*.py")):
+        src = py.read_text()
+        n, limit = len(src.splitlines()), 300 if py.name == "llama.py" else 400
+        if n > limit:
+            bad.append(f"{py.relative_to(REPO)}: {n} lines (at most {limit})")
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                doc = ast.get_docstring(node, clean=False)
+                if doc and len(doc.splitlines()) > 8:
+                    bad.append(f"{py.relative_to(REPO)}: the docstring of {getattr(node, 'name', 'the module')} "
+                               f"has {len(doc.splitlines())} lines")
+        bad += [f"{py.relative_to(REPO)}:{i}: a measured figure in a comment" for i, line in
+                enumerate(src.splitlines(), 1) if MEASURED.search(line)]
+    assert not bad, "\n".join(bad)

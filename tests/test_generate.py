@@ -156,28 +156,12 @@ def test_context_limit_is_a_clear_error(tmp_path):
         generate_ids(model, [[1, 2, 3, 4]], max_new_tokens=40)
 
 
-def test_per_layer_decoding_shares_weight_memory_and_matches_the_scan(models):
-    """On the CPU the decode step runs per-layer weight views (`layer_views`): they must alias the
-    stacked arrays (no second copy of the model) and give the scanned step's tokens and logits (the scan
-    multiplies by XLA's dots, the views by the float32 row kernel)."""
-    from amdllm.infer.generate import layer_views
-    from amdllm.model import to_pure
-    _, ours = models
-    _, layers = to_pure(ours)
-    views = layer_views(layers)
-    assert views is not None and len(views) == ours.cfg.num_hidden_layers
-    from amdllm.model.dense import Dense
-    assert isinstance(views[0]["q_proj"], Dense)  # float32 projections: the native kernel's (test_native.py)
-    for name, stacked in layers.items():
-        per = stacked[0].size * stacked.dtype.itemsize
-        for i, v in enumerate(views):
-            a = v[name].w if isinstance(v[name], Dense) else v[name]
-            assert a.shape == stacked.shape[1:]
-            assert a.unsafe_buffer_pointer() == stacked.unsafe_buffer_pointer() + i * per, name
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(stacked[i]))
-    fast = list(Decoder(ours, eos_ids=()).stream(PROMPTS, 10, return_logits=True))
+def test_every_decode_layout_gives_the_scans_tokens(models):
+    """The decode step over what the backend gives (per-layer views on a CPU: tests/test_backend_cpu.py), over
+    the stacked weights as a scan, and as a loop over static slices (a GPU's default): the same tokens and
+    logits."""
+    fast = list(Decoder(ours := models[1], eos_ids=()).stream(PROMPTS, 10, return_logits=True))
     scan = list(Decoder(ours, eos_ids=(), per_layer=False, unstack=False).stream(PROMPTS, 10, return_logits=True))
-    # what a GPU runs by default: the stacked weights unrolled as static slices inside the step
     sliced = list(Decoder(ours, eos_ids=(), per_layer=False, unstack=True).stream(PROMPTS, 10, return_logits=True))
     for other in (fast, sliced):
         assert [s[0] for s in other] == [s[0] for s in scan]
@@ -199,6 +183,7 @@ def test_sampling_mode_is_static_and_each_mode_gives_the_general_tokens():
     for temp, top_p in (([0.0] * 3, [1.0] * 3), ([0.0, 0.8, 1.0], [1.0] * 3), ([0.0, 0.8, 1.0], [1.0, 0.5, 1.0])):
         t, p = jnp.asarray(temp), jnp.asarray(top_p)
         mode = sampling_mode(temp, top_p)
+        # a compiler property is the point here: the lowered step holds no conditional
         hlo = f.lower(logits, key, t, p, mode=mode).as_text()
         assert "stablehlo.case" not in hlo and "stablehlo.if" not in hlo, mode
         np.testing.assert_array_equal(np.asarray(f(logits, key, t, p, mode=mode)),
@@ -221,12 +206,12 @@ def test_greedy_picks_what_argmax_picks_ties_and_nans_included():
 
 
 def test_forward_takes_per_layer_weights_and_either_cache_layout(models):
-    from amdllm.infer.generate import layer_views
     from amdllm.model import forward, init_cache, to_pure
+    from amdllm.model.fast import layer_slices
     _, ours = models
     cfg = ours.cfg
     top, layers = to_pure(ours)
-    views = layer_views(layers)
+    views = layer_slices(layers)
     toks = jnp.asarray(np.random.default_rng(0).integers(3, cfg.vocab_size, (2, 9)), jnp.int32)
     want, _ = forward(cfg, top, layers, toks)
     got, _ = forward(cfg, top, views, toks)
@@ -247,12 +232,3 @@ def test_forward_takes_per_layer_weights_and_either_cache_layout(models):
             outs[w_name, c_name] = np.asarray(step[:, 0])
     for v in outs.values():
         np.testing.assert_allclose(v, np.asarray(want[:, 8]), atol=5e-5, rtol=0)
-
-
-def test_layer_views_of_bfloat16_weights_share_memory_too():
-    from amdllm.infer.generate import layer_views
-    stacked = {"w": jnp.arange(4 * 8 * 16, dtype=jnp.bfloat16).reshape(4, 8, 16)}
-    views = layer_views(stacked)
-    assert views is not None
-    assert views[3]["w"].unsafe_buffer_pointer() == stacked["w"].unsafe_buffer_pointer() + 3 * 8 * 16 * 2
-    np.testing.assert_array_equal(np.asarray(views[3]["w"]), np.asarray(stacked["w"][3]))

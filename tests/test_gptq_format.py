@@ -84,7 +84,8 @@ def _check_pack(bits, G):
     x = rng.normal(size=(3, K)).astype(np.float32)
     f = jax.jit(lambda x, q: gptq.quantized_matmul(x, q, jnp.float32))
     np.testing.assert_allclose(np.asarray(f(x, q)), x @ expect, rtol=1e-4, atol=1e-5)
-    assert "s32[%d,%d]" % qw.shape in f.lower(x, q).as_text(dialect="hlo")  # packed words go in
+    # a compiler property is the point: the packed int32 words themselves go into the computation
+    assert "s32[%d,%d]" % qw.shape in f.lower(x, q).as_text(dialect="hlo")
 
 
 def _tiny(tmp_path, **kw):

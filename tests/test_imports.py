@@ -8,10 +8,9 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "amdllm"
 LAYERS = {  # module prefix -> layer (the longest matching prefix wins)
-    "amdllm": 0, "amdllm.config": 0, "amdllm.files": 0, "amdllm.env": 0, "amdllm.heap": 0, "amdllm.cpu": 0,
-    "amdllm.native": 0,
+    "amdllm": 0, "amdllm.config": 0, "amdllm.files": 0, "amdllm.env": 0,
     "amdllm.model": 1,
-    "amdllm.io": 2, "amdllm.parallel": 2,
+    "amdllm.io": 2, "amdllm.parallel": 2, "amdllm.backends": 2,
     "amdllm.quant": 3, "amdllm.infer": 3,
     "amdllm.train": 4,
     "amdllm.course": 5, "amdllm.cli": 5,
@@ -133,3 +132,16 @@ def test_layers_table_covers_every_module():
     for prefix, n in LAYERS.items():
         if prefix != "amdllm":
             assert f"L{n}" in doc and prefix.split(".")[1] in doc, prefix  # the docstring draws the same layers
+
+
+def test_only_the_seam_imports_a_backend():
+    """A backend (amdllm.backends.cpu) is imported by its own folder and the seam (amdllm.backends) only: the
+    core runs without it (AMDLLM_BACKEND=off) and never reaches past the seam."""
+    known = modules()
+    bad = [f"{m} imports {t}" for m, p in known.items() for t, _, _, _ in imports(p, known)
+           if t.startswith("amdllm.backends.") and not m.startswith("amdllm.backends")]
+    assert not bad, "\n".join(bad)
+    tests = Path(__file__).resolve().parent
+    users = sorted(p.name for p in tests.rglob("*.py") if "amdllm.backends.cpu" in p.read_text()
+                   or "from amdllm.backends import cpu" in p.read_text())
+    assert users == ["test_backend_cpu.py", "test_imports.py"], users  # the backend's own tests

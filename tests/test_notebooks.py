@@ -172,3 +172,26 @@ def test_layer_sharding_figure_and_memory_snapshot():
     assert explorer.snapshot() is explorer.figure and "70.55B" in explorer.text
     explorer.update(mesh="tensor=3")
     assert explorer.last is None and explorer.snapshot() is None
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("accelerators", [1, 2])
+def test_lesson_02_on_fewer_than_8_devices(accelerators, compile_cache):
+    """Lesson 02 where JAX has 1 or 2 devices to offer (`accelerators` stands in for a 1- or 2-GPU machine):
+    its meshes go on 8 simulated CPU devices beside them, it says so in one line, and every check passes."""
+    recs, out, proc = run_like_make_course("02", compile_cache, {"accelerators": accelerators})
+    try:
+        rec = recs[0]
+        assert rec["ok"] and proc.returncode == 0, rec["error"]
+        assert rec["results"]["jax_backend"] == "cpu" and rec["results"]["mesh"] == {"data": 1, "fsdp": 4, "tensor": 2}
+        text = "".join(o.get("text", "") for c in nbformat.read(rec["executed"], as_version=4).cells
+                       if c.cell_type == "code" for o in c.get("outputs", []))
+        assert f"only {accelerators} cpu device(s) here: the meshes use 8 simulated CPU devices instead" in text
+    finally:
+        shutil.rmtree(nbrun.REPO / out, ignore_errors=True)
+
+
+def test_the_summary_names_the_backend_and_devices_each_lesson_ran_on():
+    recs = [{"name": n, "ok": True, "seconds": 1.0, "cpu_seconds": 1.0, "error": None,
+             "results": {"jax_backend": "gpu", "jax_devices": "1 x NVIDIA H100"}} for n in ("00_setup", "01_x")]
+    assert "on JAX gpu (1 x NVIDIA H100)" in nbrun.summary_text(recs).splitlines()[-1]

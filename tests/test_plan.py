@@ -100,8 +100,7 @@ def _memory(compiled):
 def test_planner_vs_xla(cfg, batch, seq, targets, monkeypatch):
     """Planner totals vs XLA's memory_analysis (single device, float32): forward within 10%, a jitted
     LoRA+AdamW step within 20% with and without remat, LoRA on attention only and on every projection
-    (`-s` prints the ratios: plan / XLA). With XLA's attention, what accelerators run and the planner
-    models: XLA cannot see into the CPU's native attention kernel (a custom call)."""
+    (`-s` prints the ratios: plan / XLA), with the blocked attention the planner models."""
     monkeypatch.setenv("AMDLLM_ATTENTION", "blocked")
     model = apply_lora(Llama(cfg, rngs=nnx.Rngs(0)), rank=8, targets=targets)
     top, layers = to_pure(model)
@@ -163,8 +162,7 @@ def _lora_step(lp, st, top, base, tok, cfg, remat, act_sharding=None):
 
 def test_flops_vs_xla_cost_analysis(monkeypatch):
     """FLOPs per token vs XLA's cost analysis, on one layer (XLA counts a scan body once, not L times):
-    forward 2N + attention within 10%; the LoRA step ~4N (not 6N) within 15% (XLA adds elementwise work).
-    With XLA's attention: a custom call's FLOPs (the CPU's native attention) are not in XLA's count."""
+    forward 2N + attention within 10%; the LoRA step ~4N (not 6N) within 15% (XLA adds elementwise work)."""
     monkeypatch.setenv("AMDLLM_ATTENTION", "blocked")
     cfg, batch, seq = SMALL.replace(num_hidden_layers=1), 2, 128
     top, layers = to_pure(apply_lora(Llama(cfg, rngs=nnx.Rngs(0)), rank=8, targets="q,k,v,o"))

@@ -343,9 +343,10 @@ def test_engine_joins_running_batch_and_shifts_the_cache(served):
     # finished, Y's cache row moved into X's place (the active rows stay first)
     assert eng.stats["step_rows"][1] > before["step_rows"][1] and eng.stats["step_rows"][2] > before["step_rows"][2]
     assert eng.stats["moves"] > before["moves"]
-    # on the CPU the engine decodes per-layer weight views with a per-layer cache (generate.layer_views):
-    # the joins and the shift above ran on that layout
-    assert eng.views is not None and isinstance(eng.cache.k, tuple)
+    # with the CPU backend the engine decodes per-layer weight views with a per-layer cache
+    # (amdllm.backends.prepare): the joins and the shift above ran on that layout; else on the stacked one
+    from amdllm import backends
+    assert eng.per_layer == (backends.active() is not None) == isinstance(eng.cache.k, tuple)
 
 
 def test_serves_gptq_checkpoint_with_lora_adapter(served, tmp_path):

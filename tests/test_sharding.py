@@ -186,3 +186,17 @@ def test_table_and_pictures(capsys):
     assert "CPU 0,4" in out or "0,4" in out
     with pytest.raises(S.ShardingError, match="draws 2-D arrays"):
         plots.show_array_sharding(jnp.zeros((2, 2, 2, 2)))
+
+
+def test_mesh_devices_on_any_device_count():
+    """8 devices for a mesh: the accelerators where there are 8 (here: the 8 simulated CPU devices), else 8
+    simulated CPU devices beside 1 or 2 (a stand-in list), with a line saying so; too few of both: an error."""
+    from amdllm.parallel.sharding import ShardingError, mesh_devices
+    devs, note = mesh_devices(8)
+    assert devs == jax.devices()[:8] and note.startswith("8 devices: cpu")
+    for n in (1, 2):
+        devs, note = mesh_devices(8, jax.devices()[:n])
+        assert devs == jax.devices("cpu")[:8] and f"only {n} cpu device(s)" in note
+        assert S.make_mesh("fsdp=4,tensor=2", devices=devs).devices.size == 8
+    with pytest.raises(ShardingError, match="jax_num_cpu_devices"):
+        mesh_devices(16, jax.devices()[:1])

@@ -1,6 +1,5 @@
 """The LoRA train step and loop: accumulation, resume, sharding, frozen weights, memory, NaN, CLI."""
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -12,11 +11,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from amdllm import heap
 from amdllm.train import data
 from amdllm.model import lora
 from amdllm.io import peft
-from amdllm import cpu, train
+from amdllm import train
 from amdllm.train import loop as train_loop
 from amdllm.config import LlamaConfig
 from amdllm.model import Llama
@@ -108,6 +106,7 @@ def test_only_lora_is_differentiated_no_full_size_gradient_buffers():
             fused[key] = jnp.concatenate([fused.pop(n) for n in names], axis=-1)
     kernels = {tuple(v.shape[1:]) for k, v in fused.items() if v.ndim == 3}
     kernels |= {frozen["lm_head"].shape}  # [D, V]
+    # a compiler property is the point: which products the compiled step computes
     assert kernels <= _dot_shapes(full.as_text())  # the contrast: weight gradients are dots of these shapes
     assert not kernels & _dot_shapes(lora_step.as_text())
     frozen_bytes = sum(x.nbytes for x in jax.tree.leaves(frozen))
@@ -175,33 +174,6 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     assert len(lb) == 6 and np.allclose(la, lb, atol=1e-6)
 
 
-def test_per_layer_views_train_as_the_layer_scan_does(tmp_path, monkeypatch):
-    """Where steps run on the calling thread (as `amdllm finetune` asks), `finetune` hands a float32 base to
-    the step as per-layer views (`step_frozen`): the same losses, evaluation and adapter as the scan."""
-    ds = sort_task()
-    tc = train.TrainConfig(steps=4, batch_size=4, grad_accum=2, lr=1e-2, warmup=1)
-    scan = train.finetune(tiny_model(rank=2), ds, tmp_path / "scan", tc, eval_ds=ds, progress=False)
-    monkeypatch.setattr(cpu, "runs_on_caller", lambda: True)
-    views = train.finetune(tiny_model(rank=2), ds, tmp_path / "views", tc, eval_ds=ds, progress=False)
-    assert "layers/q_proj" in scan["frozen_in_step"] and "layers/0/q_proj" in views["frozen_in_step"]
-    np.testing.assert_allclose(views["losses"], scan["losses"], rtol=1e-6)
-    assert views["eval"]["eval_loss"] == pytest.approx(scan["eval"]["eval_loss"], rel=1e-6)
-    a, b = (peft.load_adapter(tiny_model(rank=2), tmp_path / d) for d in ("scan", "views"))
-    for x, y in zip(jax.tree.leaves(lora.lora_params(a)), jax.tree.leaves(lora.lora_params(b))):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6)
-
-
-def test_run_on_caller_holds_only_when_asked_before_jax_starts():
-    code = ("from amdllm.cpu import run_on_caller, runs_on_caller\n"
-            "import jax.numpy as jnp\n"
-            "import sys\n"
-            "first = run_on_caller(); jnp.ones(1).block_until_ready()\n"
-            "print(first, runs_on_caller(), run_on_caller())\n")
-    late = "import jax.numpy as jnp\njnp.ones(1)\nfrom amdllm.cpu import run_on_caller\nprint(run_on_caller())\n"
-    outs = [subprocess.run([sys.executable, "-c", c], capture_output=True, text=True, timeout=120) for c in (code, late)]
-    assert [o.stdout.split() for o in outs] == [["True", "True", "True"], ["False"]], [o.stderr[-500:] for o in outs]
-
-
 def test_sharded_step_on_8_devices_equals_one_device():
     from amdllm.parallel.sharding import make_mesh, shard_model
     assert jax.device_count() == 8
@@ -251,21 +223,17 @@ def cli_checkpoint(tmp_path):
     return ckpt, hf
 
 
-def test_the_finetune_command_steps_over_per_layer_views(tmp_path):
-    """`amdllm finetune` on one CPU device runs its steps on the calling thread and hands its float32 base
-    to the step as per-layer views (`step_frozen`); XLA's memory for that step stays near the plan's."""
+def test_the_finetune_command_plans_its_step(tmp_path):
+    """`amdllm finetune` on one CPU device: XLA's memory for its compiled step stays near the plan's."""
     ckpt, _ = cli_checkpoint(tmp_path)
     r = subprocess.run([sys.executable, "-m", "amdllm.cli", "finetune", "--model", str(ckpt), "--data",
                         str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "out"), "--steps", "2", "--rank", "4",
                         "--batch-size", "4", "--seq-len", "64", "--no-progress", "--json"],
-                       capture_output=True, text=True, timeout=300,
-                       env={k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "AMDLLM_HUGETLB")})
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(r.stdout)
-    assert "layers/0/q_proj" in res["frozen_in_step"] and "layers/q_proj" not in res["frozen_in_step"]
+    assert "layers/q_proj" in res["frozen_in_step"] and res["compute_dtype"] == "float32"
     assert 0.8 < res["memory"]["xla_bytes_per_device"] / res["memory"]["plan_bytes_per_device"] < 1.25, res["memory"]
-    glibc = sys.platform.startswith("linux") and (heap.glibc_version() or (0, 0)) >= (2, 26)
-    assert res["memory"]["heap_kept"] is glibc  # freed blocks kept once the step was compiled (heap.keep_heap)
 
 
 def test_cli_finetune_writes_peft_adapter_metrics_and_merged_checkpoint(tmp_path, capsys):

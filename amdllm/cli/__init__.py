@@ -1,12 +1,8 @@
 """The `amdllm` command: thin. `amdllm.cli.parser` declares every subcommand's flags (standard library only,
-so that a flag error or `--help` answers at once); each subcommand is a module here with `run(args)`,
-imported once its command line has parsed; the library does the work. This layer (with `amdllm.course`)
-is the only one that knows the embedded default model.
-
-The contract is docs/cli.md: `--model` omitted means the embedded default model; `--json` prints one
-JSON object on stdout and nothing else there (progress bars and warnings go to stderr); errors in what
-the user passed are one line on stderr and exit status 2.
-"""
+so a flag error or `--help` answers at once); each subcommand is a module here with `run(args)`. The
+contract is docs/cli.md: `--model` omitted means the embedded default model (this layer and
+`amdllm.course` alone know it); `--json` prints one JSON object on stdout and nothing else there; errors
+in what the user passed are one line on stderr and exit status 2."""
 from __future__ import annotations
 
 import importlib
@@ -14,15 +10,12 @@ import os
 import sys
 import warnings
 
-from amdllm import heap
 from amdllm.cli.parser import COMMANDS, build_parser
 
 __all__ = ["main", "build_parser"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    if argv is None:  # the command itself started (not a caller's main([...])): its process is ours to set up
-        _with_malloc_tunables()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     cluster = _cluster()
@@ -36,22 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     return rc
 
 
-def _with_malloc_tunables() -> None:
-    """Run this command again, once, with the glibc malloc tunable it wants where the environment does not
-    name it (amdllm.heap.malloc_env: huge pages, XLA:CPU's training steps faster; glibc reads GLIBC_TUNABLES
-    only when a process starts). AMDLLM_HUGETLB=0 turns this off; where exec fails, the command runs as it
-    is. (`finetune` also keeps freed blocks in the heap once its step is compiled: amdllm.heap.keep_heap.)"""
-    new_env = heap.malloc_env(os.environ)
-    if new_env is not None:
-        try:
-            os.execve(sys.executable, [sys.executable, "-m", "amdllm.cli", *sys.argv[1:]], new_env)
-        except OSError:
-            pass
-
-
 def _cluster():
-    """amdllm.cli.cluster, imported only after _with_malloc_tunables and the parse: it imports JAX (~2 s on 2 cores),
-    which a re-executed command would otherwise pay for twice, and a flag error would wait for."""
+    """amdllm.cli.cluster, imported only after the parse: it imports JAX, which a flag error should not wait for."""
     return importlib.import_module("amdllm.cli.cluster")
 
 

@@ -1,18 +1,10 @@
-"""One `amdllm` command as several processes: joining JAX's runtime, and a supervisor (the cluster flags are
-`amdllm.cli.parser.add_cluster_args`).
+"""One `amdllm` command as several processes: joining JAX's runtime, and a supervisor.
 
-A command that trains on a mesh (`finetune`) joins JAX's distributed runtime when the environment
-describes a cluster (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, SLURM, Open MPI; see
-`amdllm.parallel.distributed`) or when `--coordinator HOST:PORT --num-processes N --process-id I` are
-given. Every process runs the same command; the mesh then spans every device of every process.
-
-Why a supervisor: when a peer process dies, or the coordinator does not answer, or fewer processes
-start than `--num-processes` says, JAX's runtime ends the process from C++ (a fatal log, SIGABRT and a
-stack trace): Python never sees an exception, and the gloo collectives of a CPU run print to stdout.
-So a multi-process command runs itself again as a child whose native output (the runtime's log, gloo)
-goes to a log file, while Python's stdout and stderr stay the terminal's; the parent waits, and turns
-an ending the child could not report itself into one line naming what happened and the log.
-"""
+A command that trains on a mesh joins JAX's distributed runtime when the environment describes a cluster
+or `--coordinator`, `--num-processes` and `--process-id` are given (`amdllm.parallel.distributed`). When a
+peer dies or the coordinator does not answer, JAX's runtime ends the process from C++ (SIGABRT): so a
+multi-process command runs itself as a child whose native output goes to a log, and the parent turns an
+ending the child could not report into one line naming what happened and the log."""
 from __future__ import annotations
 
 import os

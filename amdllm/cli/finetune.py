@@ -13,7 +13,6 @@ from amdllm.cli.cluster import cluster_of
 from amdllm.cli.common import emit
 from amdllm.cli.common import model_dir as resolve_model_dir
 from amdllm.config import LlamaConfig
-from amdllm.cpu import run_on_caller
 from amdllm.io import checkpoint
 from amdllm.io.gptq_format import quant_config_of
 from amdllm.files import atomic_write_text, check_output_dir
@@ -54,16 +53,15 @@ def run(args) -> int:
         eval_ds = data_mod.load_dataset(args.eval_data, tok, args.seq_len, pack=not args.no_pack,
                                         too_long=args.too_long)
         rows = eval_ds.rows
-    if not several:  # before anything touches a device: steps on this thread (amdllm.cpu.run_on_caller)
-        run_on_caller()
     cluster.join(args)  # several processes: JAX's runtime first, before anything touches a device
     dtype = args.dtype
-    if dtype == "auto":  # docs/cli.md: the measurements behind this choice
+    compute = dtype
+    if dtype == "auto":  # docs/cli.md: bfloat16 on an accelerator; on a CPU the step computes in float32,
+        # over a bfloat16 base held as it is stored (half the memory; XLA:CPU widens bf16 products anyway)
+        on_cpu = jax.default_backend() == "cpu"
         stored = checkpoint.stored_dtype(Path(model_dir))
-        # a GPTQ base on a CPU computes in float32 whatever its file says: its projections are packed
-        # either way, and its dequantized kernels are not bf16 dots (`model.narrow.bf16_dot`)
-        dtype = ("bfloat16" if jax.default_backend() != "cpu" or (stored == "bfloat16" and not quant)
-                 else "float32")
+        dtype = "bfloat16" if not on_cpu or (stored == "bfloat16" and not quant) else "float32"
+        compute = "float32" if on_cpu else dtype
     spec = args.mesh or ("auto" if jax.device_count() > 1 else None)
     mesh = make_mesh(spec, cfg=cfg, rules=args.rules) if spec else None
     check_batch_splits(args.batch_size, mesh, args.rules)
@@ -71,8 +69,8 @@ def run(args) -> int:
     rss_before = rss_now()
     # the frozen base straight into the mesh, in the dtype asked for: each device reads only its blocks;
     # LoRA factors and AdamW state are float32, created already split (amdllm.model.lora)
-    model = checkpoint.load(model_dir, dtype=jnp.dtype(dtype), remat=remat, allow_pickle=args.allow_pickle,
-                            mesh=mesh, rules=args.rules)
+    model = checkpoint.load(model_dir, dtype=jnp.dtype(dtype), compute_dtype=jnp.dtype(compute), remat=remat,
+                            allow_pickle=args.allow_pickle, mesh=mesh, rules=args.rules)
     lora_mod.apply_lora(model, rank=args.rank, alpha=args.alpha, dropout=args.dropout, targets=args.targets,
                         seed=args.seed, place=None if mesh is None else placement(mesh, args.rules))
     jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
@@ -83,14 +81,14 @@ def run(args) -> int:
                      save_every=args.save_every, keep=args.keep)
     res = finetune(model, ds, args.out, tc, eval_ds=eval_ds, tokenizer=tok, task_rows=rows, mesh=mesh,
                    rules=args.rules, resume=args.resume, progress=not args.no_progress,
-                   base_model_dir=str(model_dir), planned_bytes=planned, keep_heap=True)
+                   base_model_dir=str(model_dir), planned_bytes=planned)
     if getattr(tok, "chat_template", None) and jax.process_index() == 0:  # `serve --adapter OUT` renders alike
         atomic_write_text(Path(args.out) / TEMPLATE_FILE, tok.chat_template)
     if args.merge:
         merged = lora_mod.merge_lora(model)
         res["merged_dir"] = str(checkpoint.save(merged, Path(args.out) / "merged", tokenizer_from=model_dir))
     res.pop("losses")
-    res["dtype"], res["remat"] = dtype, remat
+    res["dtype"], res["compute_dtype"], res["remat"] = dtype, compute, remat
     res["memory"].update(anon_before_load_bytes=rss_before, anon_after_load_bytes=rss_loaded)
     loss = "n/a (resumed at the end)" if res["final_loss"] is None else f"{res['final_loss']:.4f}"
     human = (f"trained {res['steps']} steps: loss {loss}, "

@@ -1,7 +1,7 @@
 """The `amdllm` command line, declared in one place: every subcommand's flags, their types and defaults.
 
 This module imports nothing but the standard library (and `amdllm.__version__`), so that a flag error or
-`--help` answers at once (0.1 s): the command modules import JAX, flax and the model (2-3 s on 2 cores), and
+`--help` answers at once: the command modules import JAX, flax and the model (seconds), and
 `amdllm.cli.main` imports only the one the parsed command names (`COMMANDS`). The flags' vocabularies are
 therefore written out here; tests/test_cli.py checks each against the library's own table.
 """
@@ -193,8 +193,8 @@ def _finetune(sub) -> None:
                         "truncate, or drop; the run's data stats count each and the tokens lost")
     p.add_argument("--seed", type=count(0), default=0)
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                   help="frozen base weights and compute (auto: bfloat16 on accelerators; on a CPU the checkpoint's "
-                        "own bfloat16 or float32); LoRA and AdamW stay float32")
+                   help="frozen base weights and compute (auto: bfloat16 on accelerators; on a CPU a bfloat16 "
+                        "checkpoint stays bfloat16 and the step computes in float32); LoRA and AdamW stay float32")
     p.add_argument("--device-memory", type=number(0, above=True), default=None,
                    help="GB one device may use, for the plan's check (default: the device's limit; on a CPU the "
                         "available host memory over the local devices)")

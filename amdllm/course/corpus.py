@@ -1,19 +1,11 @@
 """The course's own text: a small, deterministic story world, and an instruction task drawn from it.
 
-Nothing is downloaded. A template grammar over a few hundred words (names, animals, colors, places,
-foods, things, numbers) writes short stories, one per line, in which the same hero, animal and
-colors come back several times. The default model (course.py) learns this text to a held-out
-perplexity of 1.7, and learns to *copy* a word from earlier in the story: the skill the task needs.
+A template grammar over a few hundred words writes short stories in which the same hero, animal and
+colors come back, so the default model learns to copy a word from its context. The task's questions
+("Which animal is in this sentence?") have a one-word answer found in the input; the corpus never holds
+a question, so the base model does not know the format and a short LoRA run teaches it.
 
-The instruction task asks questions ("Which animal is in this sentence?", "What color is the fox?")
-whose one-word answer is the only word of its kind in the input. A response starts a line, where
-byte-level BPE spells a word without its leading space ("fox", not " fox"): the stories teach those
-spellings by quoting words (`Tom pointed at the fox and said "fox".`), so answering is copying, not
-learning to spell. The corpus never contains a question, so the base model does not know the format
-(it keeps telling stories); a short LoRA run teaches it, since the answer only needs to be found and copied.
-
-    python -m amdllm.course.corpus [--out data/]     # rewrite data/ (tests check it reproduces the files)
-"""
+    python -m amdllm.course.corpus [--out data/]     # rewrite data/ (tests check it reproduces the files)"""
 from __future__ import annotations
 
 import argparse
@@ -128,8 +120,8 @@ def corpus(n_stories: int, seed: int) -> str:
 # The instruction task: every answer is one word of the input, the only word of its kind there (one
 # color, one place, one number...); the other words are distractors of other kinds. A first version
 # put two entities of the answer's kind in each input ("The red fox met the blue owl." / "What color is
-# the owl?"): that needs the model to bind the color to its animal, and a 3.6M model with a rank-8
-# adapter stays near 40% after minutes of training (docs/benchmark-history.md, "The course task").
+# the owl?"): that needs the model to bind the color to its animal, which a model this small with a
+# rank-8 adapter did not learn in minutes of training.
 # --------------------------------------------------------------------------------------------------
 def _task_animal(rng):
     animal, color, place = rng.choice(list(ANIMALS)), rng.choice(COLORS), rng.choice(PLACES)

@@ -1,27 +1,10 @@
 """The embedded default model and the course data: locate them, and (re)build the model.
 
-The default model is committed in `data/default_model/`: a small Llama (GQA, untied head) trained
-from scratch on `data/corpus_train.txt` with the course's training step (`amdllm.train.step`, every
-parameter trained), saved as a normal Hugging Face checkpoint directory with the course tokenizer, a
-generation_config.json and a build_report.json that records the recipe's hash, the weights' sha256
-and the build's time. Training it takes 20-30 minutes on 2 CPU cores (1500 steps: long enough that it
-learns to copy words from its context, which the course task needs), so it is committed rather than
-built on first use.
-
-`default_model_dir()` returns the committed directory when its recipe hash matches the recipe below.
-When it does not (you changed the recipe or the data, or an installed package has no data/), it
-returns `$AMDLLM_HOME/default-model-<hash>` (AMDLLM_HOME defaults to ~/.cache/amdllm), built there
-on first use. Concurrent callers (pytest-xdist workers, two notebooks) serialise on a file lock: one
-builds, in a temporary directory renamed into place when complete, and the others wait and reuse it.
-
-    python -m amdllm.course build [--force]     # report on the default model ([re]build it in the cache)
-    python -m amdllm.course build --commit      # rebuild from the recipe into data/default_model/
-    python -m amdllm.course path                # print the directory, building it if needed
-
-Training is deterministic on one JAX version and CPU kind (tests/test_course.py checks that two runs
-of the step give identical bits), so a rebuild reproduces the committed weights there; `build --force`
-says whether it did (`matches_committed`).
-"""
+The model is committed in `data/default_model/`: a small Llama trained from scratch on the course corpus
+with `amdllm.train.step`, as an HF checkpoint with a build_report.json (the recipe's hash, the weights'
+sha256). `default_model_dir()` returns it while the recipe's hash matches, else builds the recipe once
+into `$AMDLLM_HOME/default-model-<hash>` (others wait on a file lock). Training is deterministic on one
+JAX version and CPU kind: `python -m amdllm.course build --force` says whether a rebuild matches."""
 from __future__ import annotations
 
 import argparse
@@ -57,11 +40,9 @@ MODEL = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_at
              num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-5,
              tie_word_embeddings=False)
 VOCAB_MULTIPLE = 64  # the embedding rows are padded up to this (shards evenly over 8 or 64 devices)
-# Training recipe: 1500 steps x 8 x 256 = 3.1M tokens (~8 passes over the corpus), ~2,500 CPU-seconds.
-# 150 steps x 4 (the first recipe, built on first use in ~3 minutes) reached perplexity 2.90 but never
-# learned to copy a word from its context, so no short LoRA run could teach it the course task
-# (docs/benchmark-history.md, "The course task"). seq_len equals the evaluation window, so every position
-# `amdllm eval` uses has been trained.
+# Training recipe: 1500 steps x 8 x 256 tokens (about 8 passes over the corpus). A recipe a tenth as long
+# never learned to copy a word from its context, so no short LoRA run could teach it the course task.
+# seq_len equals the evaluation window, so every position `amdllm eval` uses has been trained.
 TRAIN = dict(seed=0, steps=1500, batch_size=8, seq_len=256, lr=3e-3, warmup=75, weight_decay=0.1, clip=1.0)
 COMMITTED = "default_model"  # the committed build, under data/
 EVAL_SEQ_LEN = 256
@@ -331,7 +312,7 @@ def main(argv=None) -> int:
     p.add_argument("action", choices=["build", "path", "data"], help="build: (re)build and report; "
                    "path: print the model directory (building if needed); data: regenerate data/")
     p.add_argument("--force", action="store_true", help="rebuild into the cache even if a model exists there "
-                   "(20-30 min on 2 cores); the report says whether the weights match the committed ones")
+                   "(slow: build_report.json records how long it took); the report says whether the weights match the committed ones")
     p.add_argument("--commit", action="store_true", help="rebuild from the recipe into data/default_model/")
     args = p.parse_args(argv)
     if args.action == "data":

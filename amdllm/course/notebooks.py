@@ -1,37 +1,11 @@
 """Run the course notebooks headless, and keep them clean in git.
 
-    python -m amdllm.course.notebooks run --out build [--quick] [--only 01,03] [--timeout 1200]
+    python -m amdllm.course.notebooks run --out build [--quick] [--only 01,03] [--param k=v]
     python -m amdllm.course.notebooks strip [--check] [NOTEBOOK ...]
     python -m amdllm.course.notebooks kernel          # install the `amdllm` Jupyter kernel (make lab does)
 
-`run` executes each notebook with papermill: the runner's values are injected after the cell tagged
-`parameters` (always `quick`, `results_path` and `work_dir`; with --quick also the small sizes in
-QUICK_PARAMS), the executed copy is written to OUT/<name>.ipynb, and each notebook's final cell writes
-its key results as JSON to `results_path` (OUT/<name>.results.json) after asserting them. Files a
-lesson makes (adapters, quantized checkpoints, server logs) go under `work_dir` (OUT/work/<name>, emptied
-when the lesson starts), so a run leaves nothing outside OUT. The runner collects the results into
-OUT/summary.json and prints a one-screen summary. One failing notebook does not stop the others; the exit
-status is 1 if any failed.
-
-The kernels run in notebooks/, so that the lessons' own relative paths work as in Jupyter. Paths the
-user gives (OUT, and the `--param` values in PATH_PARAMS) are taken relative to the directory the
-command runs in, and resolved before the kernel sees them. A `--param` goes to the notebooks whose
-parameters cell declares it; one that no selected notebook declares is an error (a typo, most likely).
-
-The kernel is `amdllm` (KERNEL_NAME), the notebooks' kernelspec: `run` and `make lab` install it into
-this Python's environment (`python -m amdllm.course.notebooks kernel`), so a lesson runs on the interpreter
-that has amdllm and its pinned packages, whichever other kernels the machine has. The kernel talks to
-the runner over local IPC sockets, not TCP.
-
-The kernels share a persistent JAX compilation cache (`--compile-cache`, default
-$AMDLLM_HOME/jax-cache; `none` turns it off): the lessons compile the same functions (prefill/decode,
-the LoRA step, perplexity, GPTQ's solver) for the same small model, and on 2 CPU cores compiling is a
-large share of a lesson's time. The cache is keyed by the computation and the JAX version, so it can
-only skip work, never change a result.
-
-`strip` (amdllm.course.nbclean) removes outputs, execution counts and per-run metadata (papermill's,
-widget state) so that notebooks are committed clean; `--check` only reports and exits 1 if any is not.
-"""
+`run` executes each notebook with papermill into OUT (the parameters injected after the cell tagged
+`parameters`), collects each one's asserted results into OUT/summary.json and prints a summary."""
 from __future__ import annotations
 
 import argparse
@@ -48,6 +22,8 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+
+import jax
 
 from amdllm.course.default_model import amdllm_home
 from amdllm.course.nbclean import NOTEBOOK_DIR, REPO, strip
@@ -115,8 +91,11 @@ SUMMARY_FIELDS: dict[str, list[tuple[str, str, str]]] = {
 
 
 def record(results_path: str | os.PathLike | None, results: dict) -> None:
-    """A notebook's last call: print its key results and write them (JSON) where the runner looks.
-    Returns None, so that the results are not displayed a second time as the cell's value."""
+    """A notebook's last call: print its key results, with the JAX backend and devices it ran on, and write
+    them (JSON) where the runner looks. Returns None (the cell shows nothing more)."""
+    devices = jax.devices()
+    results = {**results, "jax_backend": jax.default_backend(),
+               "jax_devices": f"{len(devices)} x {devices[0].device_kind}"}
     for k, v in results.items():
         print(f"  {k:<32} {v}")
     if results_path:
@@ -357,7 +336,10 @@ def summary_text(recs: list[dict]) -> str:
             lines.append(f"    error: {rec['error'][:300]}")
     n_ok = sum(r["ok"] for r in recs)
     total = sum(r["seconds"] or 0 for r in recs)
+    ran_on = sorted({f"{res['jax_backend']} ({res['jax_devices']})" for r in recs
+                     if "jax_backend" in (res := r.get("results") or {})})
     lines += ["=" * 72, f"{n_ok}/{len(recs)} notebooks ran and passed their checks in {total / 60:.1f} min "
+                        f"on JAX {', '.join(ran_on) or 'backend unknown'} "
                         f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)"]
     return "\n".join(lines)
 

@@ -38,11 +38,9 @@ def pad_slots(c, n):
 class HeldCache:
     """How the engine keeps its cache's keys and values between steps: on a CPU, bfloat16/float16 ones as
     their bits (uint16), read back as floats only for the rows a step runs. XLA:CPU has no narrow
-    dynamic-update-slice: writing a step's rows back into a bf16 [B, Hkv, S, hd] cache widened the whole
-    buffer to float32 and back, per layer (8 x 8 x 256 x 64: 1.27 ms against 0.02 for the same write in
-    uint16, 2 cores; the 1B shape served in bf16 went from 0.213 to 0.157 s a decoded token, BENCHMARKS.md
-    run 9). The moves, shifts and growth that keep the batch in place work on the bits as they are (zero
-    bits are 0.0)."""
+    dynamic-update-slice: writing a step's rows back into a bf16 [B, Hkv, S, hd] cache widens the whole
+    buffer to float32 and back, per layer; in uint16 it is written in place. The moves, shifts and growth
+    that keep the batch in place work on the bits as they are (zero bits are 0.0)."""
 
     def __init__(self, dtype):
         dt = jnp.dtype(dtype)

@@ -2,7 +2,7 @@
 decoder is built from. A prefill writes a prompt's keys and values into the cache and returns the
 logits at the last position only (a prefill's [B, P, V] float32 logits would be 8 GB for 8 x 2048
 tokens of a 128k vocabulary, and only the last column is used); a step writes one token per row.
-Both run the fast model (`amdllm.model.fast.forward`: per-layer weights on a CPU).
+Both run the fast model (`amdllm.model.fast.forward`) over the weights `amdllm.backends.prepare` gives.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 
 from amdllm.model import Run
 from amdllm.model.fast import forward
-from amdllm.model.narrow import head_blocked
+from amdllm.model.narrow import head
 
 
 def inference_run(model) -> Run:
@@ -26,7 +26,7 @@ def last_logits(cfg, run: Run, top, layers, tokens, positions, segment_ids, cach
     (float32 logits at the last position [B, V], the cache)."""
     h, cache = forward(cfg, top, layers, tokens, positions=positions, segment_ids=segment_ids, cache=cache,
                        cache_index=cache_index, run=run, return_hidden=True)           # [B, T, D] normed
-    return head_blocked(top, h[:, -1], run.dtype), cache
+    return head(top, h[:, -1], run.dtype), cache
 
 
 def step_logits(cfg, run: Run, top, layers, tok, pos, active, cache, cache_index):
@@ -51,9 +51,8 @@ def sampling_mode(temperature, top_p) -> str:
 
 def first_max(logits):
     """jnp.argmax(logits, axis=-1) as int32, to the tie and the NaN (the first maximum; where a row holds a
-    NaN, its first NaN), from a max and a min of the indices where it is reached. XLA:CPU computes argmax as
-    one reduction of (value, index) pairs, 2-3x slower (2-core EPYC Zen 4: [8, 8192] logits 270 against 152
-    us, [1, 128256] 616 against 183; `jax.jit` timings, 2026-12-05)."""
+    NaN, its first NaN), from a max and a min of the indices where it is reached: XLA:CPU computes argmax as
+    one slower reduction of (value, index) pairs."""
     m = jnp.max(logits, axis=-1, keepdims=True)
     reached = (logits == m) | jnp.isnan(logits)
     index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
@@ -63,14 +62,10 @@ def first_max(logits):
 def sample_token(logits, key, temperature, top_p, mode: str = "nucleus"):
     """logits [B, V] float32; temperature, top_p [B] -> token ids [B] int32.
 
-    temperature 0 is greedy (argmax). Otherwise nucleus sampling: keep the smallest set of most likely
-    tokens whose probability reaches top_p (the most likely token is always kept, so a tiny top_p is
-    greedy; top_p 1 keeps all), renormalise, sample. The draw happens in vocabulary order whatever the
-    other rows ask for, so a row samples the same token alone or in any batch; one key per row (row
-    index folded in) keeps rows independent. `mode` (`sampling_mode`, static) skips what no row needs:
-    the draw when all rows are greedy, the sort when no row cuts the tail (which matters for a 128k
-    vocabulary); every mode gives the same tokens where it applies, and "nucleus" applies to any batch.
-    """
+    temperature 0 is greedy. Otherwise nucleus sampling: keep the smallest set of most likely tokens whose
+    probability reaches top_p (the most likely always kept), renormalise, sample, in vocabulary order, one
+    key per row: a row samples the same token alone or in any batch. `mode` (`sampling_mode`, static) skips
+    what no row needs (the draw, the sort); every mode gives the same tokens where it applies."""
     return sample_rows(logits, jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(logits.shape[0])),
                        temperature, top_p, mode)
 

@@ -1,32 +1,11 @@
 """The serving engine: one worker thread, continuous batching of queued requests on a shared KV cache.
 
-How the batch works (and why it is exact):
-  * The cache has `max_batch` rows and `max_len` slots. All rows write their next token at the same slot
-    `c` (the model's cache takes one `cache_index` for the whole batch), so one jitted decode step
-    serves every active row. Empty rows feed a padding token with segment id 0: its slot stays invalid.
-  * A new request is prefilled alone into a free row, LEFT-aligned so that its prompt ends at slot c-1
-    (slots [c-P, c)); it then joins the very next decode step. RoPE is applied before keys are cached
-    and each row keeps its own positions (0..P-1, P, ...), so which slots a row occupies never changes
-    its numbers: a request gets the same tokens alone or in a crowd (tested against `generate`).
-  * The cache holds as many slots as the rows in flight need (a power of two from MIN_CACHE_SLOTS up to
-    `max_len`): it grows, by a copy, when an admitted request needs more, and drops back to the smallest
-    when the engine is idle. A 1B model served at batch 8 and context 4096 would otherwise hold (and read
-    at every step) 8 x 4096 slots for one short chat. Each size compiles the step once.
-  * If the prompt does not fit to the left of c, c jumps forward (older rows just get invalid slots).
-    If the tail of the cache is too short for every row's remaining tokens, the cache is shifted left
-    by the smallest start slot of the active rows (a roll: positions are baked into the keys). If it
-    still does not fit, the request waits until rows finish; a request never exceeds `max_len` alone.
-  * A decode step runs only the first n rows, n the active rows rounded up to a power of two (each n
-    compiles once): a finished row's place is filled by the last active row (its cache row is moved), so
-    the active rows stay first. XLA:CPU multiplies 1 row by a [2048, 8192] kernel in 4.7 ms and 8 rows in
-    18-22 ms, so one request in an 8-row batch decoded 5x slower than alone (1B shape, 2 cores).
-  * Sampling is `decode.sample_rows`, generate's sampler, with generate's key schedule (token k of a
-    request uses fold_in(PRNGKey(seed), k)), so a seeded request reproduces `amdllm generate --seed`. It
-    runs on the whole batch, not vmapped per row: a vmapped conditional runs both branches, which sorted
-    and drew over all 8 x 128k logits at every greedy step of a Llama 3 vocabulary.
-The worker talks to the HTTP layer through callbacks (`Request.emit`), which the server turns into
-`loop.call_soon_threadsafe` calls: the asyncio event loop never waits on the model.
-"""
+Every row writes its next token at the same slot, so one jitted step serves the batch; a new request is
+prefilled alone into a free row, left-aligned to end just before that slot, and joins the next step.
+Each row keeps its own RoPE positions, so a request gets the same tokens alone or in a crowd (tested
+against `generate`). The cache grows by powers of two, shifts left when its tail is short, and a step
+runs only the active rows (rounded up to a power of two). Sampling is `generate`'s, key schedule
+included. The worker talks to the HTTP layer through callbacks (`Request.emit`)."""
 from __future__ import annotations
 
 import collections
@@ -45,9 +24,8 @@ import numpy as np
 from amdllm.infer.batch_cache import HeldCache, pad_slots, put_row, roll_slots, row_of
 from amdllm.infer.decode import inference_run, last_logits, sample_rows, sampling_mode, step_logits
 from amdllm.model import KVCache, to_pure
-from amdllm.cpu import cpu_compiler_options
-from amdllm.model.views import init_cache, layer_slices, layer_views, prefill_layers
-from amdllm.model.narrow import inference_weights
+from amdllm import backends
+from amdllm.model.fast import init_cache, layer_slices
 from amdllm.io.tokenizer import pad_id as tokenizer_pad_id
 
 log = logging.getLogger("amdllm.infer.engine")
@@ -135,14 +113,12 @@ class Engine:
             eos_ids = set(cfg.eos_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         self.eos = frozenset(int(e) for e in eos_ids)
         self.pad = int(pad_id) if pad_id is not None else tokenizer_pad_id(tokenizer)
-        self.top, self.layers = inference_weights(*to_pure(model))  # narrow weights as bits on a CPU
-        # the decode step reads per-layer weight views on the CPU (no copies out of the stack; see
-        # amdllm.model.fast) and then keeps a per-layer cache; the prefill runs over the views too, unless
-        # they are narrow bits that a kernel would widen at its rows, and then scans (`prefill_layers`)
-        # unstack=True: the step runs the stacked weights as an unrolled loop over static slices instead (no
-        # views, no scan), as `Decoder(unstack=)` does on a GPU; measured by benchmarks/gpu.py, serve_engine
+        # the weights as the backend's kernels read them (`backends.prepare`): per-layer ones keep a
+        # per-layer cache. unstack=True: the step runs stacked weights as a loop over static slices instead
+        # of a scan, as `Decoder(unstack=)` does on a GPU (benchmarks/gpu.py, serve_engine)
         self.unstack = bool(unstack)
-        self.views = None if self.unstack else layer_views(self.layers, rows=self.B)
+        self.w = backends.prepare(*to_pure(model), rows=self.B)
+        self.per_layer = self.w.per_layer and not self.unstack
         self.dtype = model.dtype
         self.held = HeldCache(self.dtype)
         self._build(model)
@@ -206,12 +182,10 @@ class Engine:
             valid = jnp.roll(cache.valid, -m, axis=1) & (jnp.arange(S) < S - m)[None]
             return KVCache(roll_slots(cache.k, -m), roll_slots(cache.v, -m), valid)
 
-        # the cache is donated: XLA may update it in place instead of copying [L, B, Hkv, S, hd] twice a
-        # step (jax 0.10's CPU client implements donation too)
-        # mode (decode.sampling_mode) is static: at most three compiled variants of each
+        # the cache is donated (XLA updates it in place); mode (decode.sampling_mode) is static
         self._prefill = jax.jit(prefill, donate_argnums=(2,), static_argnames=("mode",))
         self._step = jax.jit(step, donate_argnums=(2,), static_argnames=("mode",),
-                             compiler_options=cpu_compiler_options("decode", cfg.hidden_size))
+                             compiler_options=backends.compiler_options("decode", cfg.hidden_size))
         self._shift = jax.jit(shift, donate_argnums=(0,))
         self._move = jax.jit(move, donate_argnums=(0,))
         self._grow = jax.jit(lambda cache, n: KVCache(pad_slots(cache.k, n), pad_slots(cache.v, n),
@@ -223,7 +197,7 @@ class Engine:
         return min(self.S, max(MIN_CACHE_SLOTS, _pow2(n)))
 
     def _new_cache(self, slots: int) -> KVCache:
-        c = init_cache(self.cfg, self.B, slots, self.dtype, per_layer=self.views is not None or self.unstack)
+        c = init_cache(self.cfg, self.B, slots, self.dtype, per_layer=self.per_layer or self.unstack)
         return KVCache(jax.tree.map(self.held.hold, c.k), jax.tree.map(self.held.hold, c.v), c.valid)
 
     def _reserve(self, n: int) -> None:
@@ -331,7 +305,7 @@ class Engine:
         positions = np.maximum(np.cumsum(seg, axis=1) - 1, 0).astype(np.int32)
         seed = req.seed if req.seed is not None else secrets.randbits(31)
         key = np.asarray(jax.random.key_data(jax.random.PRNGKey(seed)))
-        tok, self.cache = self._prefill(self.top, prefill_layers(self.layers, self.views, Pb), self.cache,
+        tok, self.cache = self._prefill(self.w.top, self.w.for_rows(Pb) if self.per_layer else self.w.stacked, self.cache,
                                         jnp.int32(row), toks, positions, seg, jnp.int32(c - Pb), key,
                                         np.float32([req.temperature]), np.float32([req.top_p]),
                                         mode=sampling_mode(req.temperature, req.top_p))
@@ -363,8 +337,7 @@ class Engine:
             if r is not None:
                 tok[i], pos[i], act[i], k[i], keys[i] = r.pending, r.pos, True, len(r.out_ids), r.key
                 temp[i], top_p[i] = r.req.temperature, r.req.top_p
-        layers = self.layers if self.views is None else self.views
-        nxt, self.cache = self._step(self.top, layers, self.cache, tok, pos, act, jnp.int32(self.c),
+        nxt, self.cache = self._step(self.w.top, self.w.layers if self.per_layer else self.w.stacked, self.cache, tok, pos, act, jnp.int32(self.c),
                                      keys, k, temp, top_p, mode=sampling_mode(temp, top_p))
         nxt = np.asarray(nxt)  # the one device->host copy per step
         self.c += 1

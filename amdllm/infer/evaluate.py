@@ -1,17 +1,8 @@
-"""Perplexity, with exactly the protocol of `amdllm eval` in docs/cli.md (so numbers compare across tools and notebooks):
-
-  1. tokenize the whole text as `tokenizer(text)` (a BOS appears once, at the start, if the tokenizer
-     adds one);
-  2. cut the ids into consecutive, non-overlapping windows of `seq_len` tokens; the last, shorter window
-     is kept if it has at least 2 tokens;
-  3. each window predicts its own tokens 1..n-1 from the ones before (no context crosses a window);
-  4. nll = mean over all predicted tokens, tokens = their count, perplexity = exp(nll).
-
-Windows are evaluated at most `batch_size` at a time by one jitted function, in batches of equal size
-(13 windows at batch_size 8 go as 7 + 6, not 8 + 5, so at most one padding row per batch and none when
-the windows fit in one batch); the short last window is padded on the right with segment id 0 and weight
-0, a short last batch with an all-padding row, so every batch has the same shape and compiles once.
-"""
+"""Perplexity by the protocol of `amdllm eval` (docs/cli.md), so numbers compare across tools and notebooks:
+tokenize the whole text as `tokenizer(text)`; cut consecutive windows of `seq_len` tokens (a last one of
+at least 2 kept); each window predicts its tokens 1..n-1; nll is the mean over all predicted tokens and
+perplexity exp(nll). Windows go at most `batch_size` at a time, in equal batches padded to one shape, so
+the jitted function compiles once."""
 from __future__ import annotations
 
 import json
@@ -25,7 +16,7 @@ from tqdm.auto import tqdm
 
 from amdllm.infer.decode import inference_run
 from amdllm.model import forward, to_pure
-from amdllm.model.narrow import inference_weights, token_nll_blocked
+from amdllm.model.narrow import inference_weights, token_nll
 from amdllm.model.inputs import expect_model, expect_tokenizer
 from amdllm.model.inputs import token_ids as check_ids
 
@@ -52,7 +43,7 @@ def _nll_fn(model):
         @jax.jit
         def nll_sum(top, layers, tokens, segment_ids):
             h, _ = forward(cfg, top, layers, tokens, segment_ids=segment_ids, run=run, return_hidden=True)
-            nll = token_nll_blocked(top, h[:, :-1], tokens[:, 1:], run.dtype)  # [B, T-1], no [B, T, V] logits
+            nll = token_nll(top, h[:, :-1], tokens[:, 1:], run.dtype)  # [B, T-1], no [B, T, V] logits
             w = (segment_ids[:, 1:] != 0).astype(jnp.float32)  # a target is real iff its slot is
             return jnp.sum(nll * w), jnp.sum(w)
 
@@ -91,7 +82,7 @@ def perplexity_of_windows(model, wins: Sequence[np.ndarray], batch_size: int = 8
     if T > limit:
         raise ValueError(f"a window of {T} tokens is beyond the model's context (max_position_embeddings={limit})")
     fn = _nll_fn(model)
-    top, layers = inference_weights(*to_pure(model))  # narrow weights as bits on a CPU: see model.fast
+    top, layers = inference_weights(*to_pure(model))  # narrow weights as bits on a CPU (model.narrow)
     total, count = 0.0, 0.0
     n_batches = -(-len(wins) // batch_size)
     batch_size = -(-len(wins) // n_batches)  # equal batches: padding rows only where the split is uneven

@@ -1,21 +1,10 @@
 """Text generation with a KV cache: one prefill, then a jitted one-token decode step.
 
-How a batch of prompts is laid out (and why batched results equal single-prompt results):
-  * Prompts are LEFT-padded to a common length, so every row's next token lands in the same cache slot
-    and one `dynamic_update_slice` serves the whole batch. Pads get segment_ids 0: the cache marks
-    their slots invalid, so no query ever attends to them.
-  * RoPE positions count real tokens only, per row (a 3-token prompt padded to 8 still has positions
-    0, 1, 2), so a row's numbers do not depend on its neighbours' lengths.
-  * The prompt length is rounded up to a multiple of `PROMPT_BUCKET` and the cache length to a multiple
-    of `CACHE_BUCKET`: the prefill compiles once per (batch, prompt bucket, cache length) and the
-    decode step once per (batch, cache length), not once per prompt length.
-  * The decode loop is a Python loop over the jitted step: it streams (`Decoder.stream` yields each
-    step's new token per row, which the server needs) and stops as soon as every row has finished.
-    It is pipelined: the next step is dispatched before this step's tokens are read on the host.
-    Finished rows keep decoding (rows never mix) and their tokens are cut from the results.
-Parameters go into jit as pure arrays (`to_pure`), so changing the weights (LoRA training, loading
-another checkpoint of the same shape) never retraces.
-"""
+Prompts are left-padded (pads get segment id 0, never attended to) and keep their own RoPE positions,
+so a batched row gives what it gives alone. Prompt and cache lengths are rounded up to buckets, so the
+steps compile once per bucket, not per prompt. The decode loop is a Python loop over the jitted step: it
+streams, stops when every row has finished, and dispatches the next step before reading this one's
+tokens. The weights go in as arguments, as `amdllm.backends.prepare` gives them."""
 from __future__ import annotations
 
 import json
@@ -28,15 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from amdllm import native
+from amdllm import backends
 from amdllm.io import checkpoint
 from amdllm.io.peft import load_adapter
 from amdllm.io.tokenizer import load_tokenizer, pad_id
 from amdllm.infer.decode import inference_run, last_logits, sample_token, sampling_mode, step_logits
 from amdllm.model import KVCache, to_pure
-from amdllm.cpu import cpu_compiler_options
-from amdllm.model.views import init_cache, layer_slices, layer_views, prefill_layers, split_cache
-from amdllm.model.narrow import inference_weights
+from amdllm.model.fast import init_cache, layer_slices, split_cache
 from amdllm.model.qmatmul import default_route, on_gpu, prepare_kernels
 from amdllm.model.quantized import QuantFormatError
 from amdllm.model.inputs import expect_model, expect_tokenizer, token_ids
@@ -67,9 +54,7 @@ def _compiled(model):
     def prefill(top, layers, tokens, positions, segment_ids, key, temperature, top_p, cache_len,
                 per_layer=False, mode="nucleus"):
         # tokens/positions/segment_ids [B, P] left-padded: the last column is a real token in every row.
-        # cache_len (static) fixes the cache shape. The prefill runs over the per-layer views where the step
-        # does, unless they are narrow bits that a kernel would widen at the prefill's rows; else it scans
-        # the stacked weights (`prefill_layers`). It hands the step a per-layer cache when the step runs
+        # cache_len (static) fixes the cache shape. It hands the step a per-layer cache when the step runs
         # per-layer weights.
         cache = init_cache(cfg, tokens.shape[0], cache_len, run.dtype)
         last, cache = last_logits(cfg, run, top, layers, tokens, positions, segment_ids, cache, 0)  # [B, V]
@@ -89,7 +74,7 @@ def _compiled(model):
     # the cache is rewritten every step: donate it so XLA writes the new slot in place
     _COMPILED[key] = (jax.jit(prefill, static_argnames=("cache_len", "per_layer", "mode")),
                       jax.jit(step, donate_argnums=(4,), static_argnames=("mode", "unstack"),
-                              compiler_options=cpu_compiler_options("decode", cfg.hidden_size)))
+                              compiler_options=backends.compiler_options("decode", cfg.hidden_size)))
     return _COMPILED[key]
 
 
@@ -121,12 +106,9 @@ def pack_prompts(prompt_ids: Sequence[Sequence[int]], pad_id: int = 0, bucket: i
 class Decoder:
     """Streaming batched decoding for one model. `stream` yields, per step, one new token id per row
     (None once that row has finished); `return_logits=True` yields (tokens, logits [B, V]) instead.
-    per_layer=False keeps the decode step's layer scan even on the CPU (see `layer_views`).
-    unstack=True, where there are no views, runs the step's layers as an unrolled loop over static slices
-    of the stacked weights instead of a scan; the default (None) does so on a GPU. There a scan copies each
-    layer's weights out of the stack before multiplying: on an H200, 8B shape, bf16, the scanned step
-    decoded 81 tokens/s at batch 1 and the unrolled one 182, 90% of the bandwidth bound, but its first
-    call compiles for 30 s instead of 5 (benchmarks/results/gpu_h200_run4.json)."""
+    per_layer=False keeps the stacked weights a backend would give per layer (`backends.prepare`).
+    unstack=True runs stacked layers as a loop over static slices instead of a scan; the default (None)
+    does so on a GPU, where a scan copies each layer out of the stack (slower to compile, faster to run)."""
 
     def __init__(self, model, *, eos_ids: Sequence[int] = (), pad_id: int = 0, per_layer: bool = True,
                  unstack: bool | None = None):
@@ -151,9 +133,10 @@ class Decoder:
         prompt_ids = [token_ids(p, self.model.cfg.vocab_size, f"prompt {i}") for i, p in enumerate(prompt_ids)]
         if max_new_tokens < 1:
             return
-        top, layers = inference_weights(*to_pure(self.model))  # narrow weights as bits on a CPU (model.fast)
         tokens, positions, seg, lens = pack_prompts(prompt_ids, self.pad_id)
-        views = layer_views(layers, rows=tokens.shape[0]) if self.per_layer else None
+        w = backends.prepare(*to_pure(self.model), rows=tokens.shape[0])
+        step_layers = w.layers if self.per_layer else w.stacked
+        per_layer = isinstance(step_layers, list)
         limit = self.model.cfg.max_position_embeddings
         if int(lens.max()) + max_new_tokens > limit:
             raise ValueError(f"prompt ({int(lens.max())} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
@@ -162,11 +145,11 @@ class Decoder:
         S = _round_up(P + max_new_tokens - 1, CACHE_BUCKET)  # the last new token is never written
         temp, tp = _per_row(temperature, B, "temperature"), _per_row(top_p, B, "top_p")
         mode = sampling_mode(temperature, top_p)  # the host's values, checked by _per_row
-        unstack = views is None and self.unstack
+        unstack = not per_layer and self.unstack
         key = jax.random.PRNGKey(seed)
-        tok, logits, cache = self.prefill(top, prefill_layers(layers, views, B * P), tokens, positions, seg, key,
-                                          temp, tp, cache_len=S, per_layer=views is not None or unstack, mode=mode)
-        step_layers = layers if views is None else views
+        prefill_layers = w.for_rows(B * P) if per_layer else step_layers
+        tok, logits, cache = self.prefill(w.top, prefill_layers, tokens, positions, seg, key, temp, tp,
+                                          cache_len=S, per_layer=per_layer or unstack, mode=mode)
         done = np.zeros(B, bool)
         eos = np.array(self.eos_ids, np.int64)
         # Pipelined: step i+1 is dispatched (asynchronously) on step i's tokens while they are still on
@@ -174,12 +157,12 @@ class Decoder:
         # host's work overlaps the next step instead of idling the device between steps. A finished row
         # keeps decoding its own tokens (rows never mix, so the others are unaffected); they are dropped
         # here. When every row has finished, one step already dispatched is discarded.
-        # The positions stay numpy: eager jnp ops here would each cost a dispatch (~0.5 ms a step).
+        # The positions stay numpy: eager jnp ops here would each cost a dispatch a step.
         pos = lens.astype(np.int32)  # next RoPE position per row = its real prompt length
         for i in range(max_new_tokens):
             nxt = None
             if i < max_new_tokens - 1:
-                nxt = self.step(top, step_layers, tok, pos, cache, P + i, i + 1, key, temp, tp, mode=mode,
+                nxt = self.step(w.top, step_layers, tok, pos, cache, P + i, i + 1, key, temp, tp, mode=mode,
                                 unstack=unstack)
                 cache = nxt[2]
                 pos = pos + 1  # numpy
@@ -275,13 +258,9 @@ def check_dtype(dtype: str) -> str:
 
 def resolve_dtype(dtype: str, model_dir, decoding: bool = True) -> str:
     """`--dtype auto` made concrete (other values as they are): what a checkpoint is held and computed in.
-
-    On an accelerator, bfloat16. On a CPU, a bfloat16 checkpoint stays bfloat16 (half the memory of a
-    float32 copy) where that is not slower: for evaluation always (many rows a matmul); for decoding where
-    the native bf16 row kernel runs (`amdllm.native`; 1B shape, 2 cores: 6.95 tokens/s at 3.03 GB peak
-    against 3.85 at 5.66 GB in float32, BENCHMARKS.md run 9), since XLA alone widens every layer to float32
-    for every token (1.19 tokens/s, run 7). Anything else (float32 or float16 checkpoints, GPTQ ones, decoding without
-    the kernel) is computed in float32 on a CPU."""
+    On an accelerator, bfloat16. On a CPU a bfloat16 checkpoint stays bfloat16 (half the memory) for
+    evaluation, and for decoding where the backend decodes bf16 fast (`backends.decodes_bf16`); everything
+    else is computed in float32 there."""
     if check_dtype(dtype) != "auto":
         return dtype
     if jax.default_backend() != "cpu":
@@ -289,7 +268,7 @@ def resolve_dtype(dtype: str, model_dir, decoding: bool = True) -> str:
     raw = checkpoint.read_config(Path(model_dir))
     if raw.get("quantization_config") or checkpoint.stored_dtype(Path(model_dir)) != "bfloat16":
         return "float32"
-    return "bfloat16" if not decoding or native.available() else "float32"
+    return "bfloat16" if not decoding or backends.decodes_bf16() else "float32"
 
 
 def load_model(model_dir, adapter=None, dtype: str = "auto", allow_pickle: bool = False):

@@ -1,14 +1,9 @@
 """The HTTP side of `amdllm serve`: uvicorn's h11 protocol with the two guards it lacks, and the socket.
 
-uvicorn closes an idle keep-alive connection after 5 s, but a connection that opens and then sends its
-request slowly, or never, is held forever: 10,500 of them exhausted the file descriptors and a good
-client got an empty reply. Here
-  * a request must arrive whole (headers and body) within `request_timeout` seconds of its first byte
-    (of the connection, for the first request), or the connection is closed;
-  * past `max_connections` open connections, a new one is closed at once, before it costs anything
-    but its accept (and requests beyond that many in flight get uvicorn's 503).
-The protocol and the config need the [serve] extra (uvicorn), like the app; the socket helpers do not.
-"""
+uvicorn holds a connection that sends its request slowly, or never, forever. Here a request must arrive
+whole within `request_timeout` seconds of its first byte, or the connection is closed; past
+`max_connections` open connections a new one is closed at once (and requests beyond that many in flight
+get uvicorn's 503). The protocol needs the [serve] extra (uvicorn); the socket helpers do not."""
 from __future__ import annotations
 
 import resource

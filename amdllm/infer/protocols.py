@@ -1,22 +1,10 @@
-"""How a dataset's texts become token windows, for perplexity and for GPTQ calibration: by a named
-protocol, so a number can be compared with the tables it claims to match.
+"""How a dataset's texts become token windows, for perplexity and for GPTQ calibration, by a named protocol:
 
-  amdllm  (the default; docs/cli.md): the texts joined with blank lines and tokenized once; evaluation
-          cuts consecutive windows and keeps the last partial one (>= 2 tokens); calibration draws
-          windows at random starts from the stream (`quant.calibrate.calibration_windows`).
-  gptq    the GPTQ paper's code (IST-DASLab/gptq `datautils.py`, followed by GPTQ-for-LLaMa, AutoGPTQ and
-          GPTQModel), rule by dataset:
-    wikitext2  evaluation: the split's texts joined with "\n\n", tokenized once, floor(n / seqlen) full
-               windows (the rest is dropped). Calibration: `random.seed(seed)`, then per sample a start
-               `random.randint(0, n - seqlen - 1)` in the same joined stream.
-    c4         evaluation: the first 1,100 documents joined with spaces, tokenized once, cut to the first
-               256 x seqlen tokens, in full windows. Calibration: `random.seed(seed)`; per sample, draw a
-               document `random.randint(0, len(docs) - 1)` until its tokens are more than seqlen, then
-               one start `random.randint(0, len - seqlen - 1)` in it.
-Tokenizing is `encode(text)` (the tokenizer's own call, BOS included where it adds one, as the
-reference's `tokenizer(text)`); perplexity over the windows is `infer.evaluate.perplexity_of_windows`,
-the mean NLL of every predicted token (for equal full windows, the reference's mean of window means).
-"""
+  amdllm  (the default; docs/cli.md): the texts joined with blank lines and tokenized once; consecutive
+          windows (the last partial one kept); calibration draws windows at random starts.
+  gptq    the GPTQ paper's code (IST-DASLab/gptq `datautils.py`), rule by dataset: wikitext2 (joined
+          with blank lines, full windows; random starts for calibration) and c4 (1,100 documents joined, the
+          first 256 windows; calibration draws a document long enough, then one window in it)."""
 from __future__ import annotations
 
 import random

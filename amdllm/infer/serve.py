@@ -1,13 +1,9 @@
 """`amdllm serve`: an OpenAI-compatible HTTP API (FastAPI + uvicorn) over the batching engine.
 
-Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (`stream: true` gives
-server-sent events in OpenAI's chunk format, ending with `data: [DONE]`), GET / (the chat page).
-Every error has OpenAI's shape {"error": {"message", "type", "param", "code"}} and a 4xx status, so
-the official clients raise their usual exceptions; the server keeps serving after any of them.
-The model runs in the engine's worker thread (amdllm/infer/engine.py); handlers only queue requests and await
-events that the worker posts with `loop.call_soon_threadsafe`, so the event loop never blocks.
-Extension: `"return_token_ids": true` (OpenAI clients: `extra_body=`) adds the new token ids to a choice.
-"""
+GET /v1/models, POST /v1/completions and /v1/chat/completions (`stream: true`: server-sent events in
+OpenAI's chunk format), GET / (the chat page). Every error has OpenAI's shape and a 4xx status. The model
+runs in the engine's worker thread; handlers only queue requests and await the events it posts, so the
+event loop never blocks. `"return_token_ids": true` (`extra_body=`) adds the new token ids to a choice."""
 # no `from __future__ import annotations`: FastAPI reads the handlers' annotations at runtime
 
 import asyncio
@@ -118,7 +114,7 @@ def create_app(engine: Engine, cfg: ServerConfig):
                                             "owned_by": "amdllm"}]}
 
     # templating and tokenizing run on one worker thread, off the event loop: a long prompt never holds
-    # up other clients (they were frozen 26 s by one 10 MB prompt)
+    # up other clients
     parser = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="amdllm-tokenize")
     char_limit = max_prompt_chars(engine.tokenizer, engine.S)
 

@@ -1,23 +1,10 @@
 """Hugging Face Llama checkpoints in and out: `load(dir) -> Llama`, `save(model, dir)`.
 
-How it works, and why:
-  * One table, `NAME_TABLE`, maps every HF tensor name to our parameter. HF stores one tensor per
-    layer, nn.Linear weights [out, in]; we store each kind stacked on a leading `layers` axis with
-    kernels [in, out]. So HF `model.layers.{i}.self_attn.q_proj.weight` [q, D] is `layers/q_proj[i].T`.
-  * Tensors are read through `amdllm.io.safetensors` (memory-mapped safetensors, re-exported here):
-    a tensor is a zero-copy view of the file until it is copied into its destination.
-  * Host memory at load is about the model itself (1.0-1.1x the checkpoint for a same-dtype load):
-    each parameter's destination is allocated once, 64-byte aligned, and every HF tensor is cast and
-    transposed straight into it, a slab of rows at a time, each slab's file pages released as soon as
-    it is copied (the transposes in C, `amdllm.native.transpose`, where it is built: numpy's run
-    several times slower). On CPU `jax.device_put` adopts an aligned host buffer without copying it, so that
-    buffer *is* the parameter; an unaligned one would be copied, holding the parameter twice.
-  * With `shardings`, each parameter is created by `jax.make_array_from_callback`: every device asks
-    only for its block, which is read straight from the mapped files (layer range, then a transposed
-    2-D slice), so no host ever holds a whole 405B parameter.
-  * Every name, shape and file is checked before anything is built, and all problems are reported
-    at once in one `CheckpointError` line.
-"""
+One table (`NAME_TABLE`) maps every HF tensor to our stacked parameter ([out, in] becomes [in, out]).
+Each parameter's destination is allocated once, aligned so that `jax.device_put` adopts it, and every
+tensor is cast and transposed straight into it a slab at a time, its file pages released as it goes: host
+memory stays about the model's size. With `shardings` each device reads only its own block from the
+mapped files. Every name, shape and file is checked first; all problems come in one `CheckpointError`."""
 from __future__ import annotations
 
 import json
@@ -38,7 +25,7 @@ from amdllm.io.gptq_format import is_quantized, load_quantized
 from amdllm.io.names import IGNORED_SUFFIXES, NAME_TABLE, TOKENIZER_FILES
 from amdllm.io.tokenizer import copy_tokenizer
 from amdllm.model.llama import Llama, param_table
-from amdllm.native.transpose import copy_transposed, transposed
+from amdllm.io.transpose import copy_transposed, transposed
 from amdllm.parallel.sharding import activation_sharding, param_shardings
 from amdllm.io.safetensors import aligned_empty
 from amdllm.io.safetensors import (ST_DTYPES, ST_NAMES, CheckpointError, SafetensorsFile, TensorSource,
@@ -132,7 +119,7 @@ def _copy_into(out: np.ndarray, src: TensorSource, name: str, tr: bool, index: t
     for k in range(0, len(rows), step):
         r0, r1 = rows.start + k, min(rows.stop, rows.start + k + step)
         slab = view[r0:r1, col_sl]
-        if tr:  # a strided copy straight into `out`, in C where it can be (numpy's is several times slower)
+        if tr:  # a strided copy straight into `out`
             dst = out[:, k:k + r1 - r0]
             if tmp is None:
                 copy_transposed(dst, slab)

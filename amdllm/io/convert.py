@@ -1,16 +1,10 @@
 """Rewrite a checkpoint as users should keep it: safetensors shards plus tokenizer.json.
 
-Releases such as Vicuna and Llama 2 ship pickled `pytorch_model-*.bin` shards in float16 and a
-SentencePiece `tokenizer.model`; Vicuna v0 also ships *delta* weights that must be added to the base
-LLaMA first. `convert` reads whatever `TensorSource` can (safetensors, or pickles with allow_pickle),
-writes every tensor under its own Hugging Face name in the dtype asked for, one tensor in memory at a
-time, and saves the tokenizer through transformers, so the result needs neither torch nor pickle.
-
-Delta weights follow FastChat's `apply_delta` (fastchat/model/apply_delta.py): both checkpoints are
-read as float16 and target = delta + base, where the delta's embedding and head may have extra rows
-(tokens added for fine-tuning) and only the first rows of those receive the base. The target takes the
-delta's config and tokenizer.
-"""
+`convert` reads whatever `TensorSource` can (safetensors, or pickled `.bin` shards with allow_pickle),
+writes every tensor under its Hugging Face name in the dtype asked for, one tensor in memory at a time,
+and saves the tokenizer through transformers. Delta weights (Vicuna v0) follow FastChat's `apply_delta`:
+target = delta + base in float16, a larger delta vocabulary keeping the base's first rows; the target
+takes the delta's config and tokenizer."""
 from __future__ import annotations
 
 import json

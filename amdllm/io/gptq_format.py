@@ -1,16 +1,9 @@
 """GPTQ checkpoints on disk: the quantization config, save and load (GPTQModel's v1 and v2 layouts).
 
-The format (GPTQ-for-LLaMa / AutoGPTQ / GPTQModel / transformers, docs/formats.md), for a
-linear with in_features K, out_features N, `bits` b, pack factor p = 32/b, group size G (-1 means K),
-n_g = K/G:
-    qweight int32 [K/p, N]    codes packed along K, lowest k in the lowest bits
-    qzeros  int32 [n_g, N/p]  zero points packed along N; v1 ("gptq") stores zero-1, v2 ("gptq_v2") zero
-    scales  fp16  [n_g, N]
-    g_idx   int32 [K]         group of each input row (k // G unless act-order)
-In memory the model keeps v2's convention (`amdllm.model.quantized`, which also packs and unpacks):
-v1's zero-1 cannot represent an asymmetric zero of 0 without wrapping (the "-1 overflow" of AutoGPTQ
-PR #640), so files are converted once at load and save time, nibble by nibble.
-"""
+For a linear of K inputs and N outputs at b bits (p = 32/b codes a word), group size G, n_g = K/G groups:
+qweight int32 [K/p, N], qzeros int32 [n_g, N/p] (v1 stores zero-1, v2 the zero), scales fp16 [n_g, N],
+g_idx int32 [K] (docs/formats.md). In memory the model keeps v2's zeros (`amdllm.model.quantized`):
+v1's zero-1 cannot hold an asymmetric zero of 0, so files are converted once at load and save."""
 from __future__ import annotations
 
 import json
@@ -32,7 +25,7 @@ from amdllm.io.safetensors import CheckpointError, SafetensorsFile, aligned_empt
 from amdllm.io.tokenizer import copy_tokenizer
 from amdllm.model.llama import Llama, param_table
 from amdllm.model.qmatmul import restore_gptq
-from amdllm.native.transpose import transposed
+from amdllm.io.transpose import transposed
 from amdllm.model.quantized import (FORMAT_BITS, QUANT_KEYS, QuantFormatError, QuantLinear,  # noqa: F401
                                     check_bits, group_count, infer_bits, pack_cols, packed_logical_axes,
                                     unpack_cols)
@@ -215,16 +208,10 @@ def load_quantized(path, *, dtype=jnp.float32, compute_dtype=None, mesh=None, ru
                    shardings=None, remat: bool = False, **_ignored):
     """A GPTQ (or dense) HF Llama directory -> `Llama` with QuantLinear projections (packed, on device).
 
-    dtype: for the non-quantized tensors (embeddings, norms, lm_head, dense projections);
-    compute_dtype: the activations' dtype (default: dtype). With `mesh` (+ `rules`) every tensor is split
-    as the rules say, the packed ones too: qweight [K/p, N] and g_idx [K] along the kernel's input and
-    output axes, scales and qzeros [groups, N] along the output axis and, where the group count splits,
-    the input axis (`amdllm.parallel.sharding.PACKED_GROUPED`). The files are memory-mapped: each device's
-    block of `qweight` is read from them directly (the small scales, zeros and g_idx are checked and
-    converted in memory), and on one device every tensor is written once into the buffer that becomes the
-    device array, so a load allocates about the model's bytes. `shardings` is accepted for
-    checkpoint.load's signature and ignored.
-    """
+    dtype: for the non-quantized tensors; compute_dtype: the activations' (default: dtype). With `mesh` (+
+    `rules`) every tensor is split as the rules say, the packed ones too (`sharding.PACKED_GROUPED`), each
+    device's block of `qweight` read straight from the memory-mapped files; on one device each tensor is
+    written once into the buffer that becomes the device array. `shardings` is accepted and ignored."""
     path = Path(path)
     cfg = LlamaConfig.from_json(path)
     qc = quant_config_of(path)

@@ -1,16 +1,8 @@
-"""Texts of an evaluation or calibration set, read through the `datasets` library: a Hub name, or a
-local copy in any of the layouts people have on disk.
-
-`--dataset` takes
-  * a `save_to_disk` directory (a DatasetDict with splits, or one Dataset);
-  * JSON / JSON-lines (also .gz) or parquet files, or a directory of them;
-  * a directory laid out as the Hub's `allenai/c4` (`en/c4-train.00000-of-01024.json.gz`,
-    `en/c4-validation.00000-of-00008.json.gz`): shard 0 of the split is read, as the GPTQ reference does;
-  * a Hub name, `NAME` or `NAME:CONFIG` (`wikitext:wikitext-2-raw-v1`, `allenai/c4`; `wikitext2` and `c4`
-    are short for those). With HF_HUB_OFFLINE=1 (as under `make`) only the local cache is read.
-`load_texts` returns the column's strings and what was read (for `--json`); every failure is one
-`DatasetError` naming the dataset and what is missing (the splits or columns there are).
-"""
+"""Texts of an evaluation or calibration set, read through the `datasets` library: a Hub name (`NAME` or
+`NAME:CONFIG`; `wikitext2` and `c4` are short names), a `save_to_disk` directory, JSON / JSON-lines or
+parquet files, or a directory laid out as the Hub's `allenai/c4` (shard 0 of the split, as the GPTQ
+reference reads). With HF_HUB_OFFLINE=1 (as under `make`) only the local cache is read. Every failure is
+one `DatasetError` naming the dataset and what is missing."""
 from __future__ import annotations
 
 import os

@@ -1,19 +1,10 @@
 """safetensors without a framework: a checked, memory-mapped reader and a streaming, atomic writer.
 
-A .safetensors file is an 8-byte little-endian header length, a JSON header (name -> dtype, shape,
-byte offsets into the data), then raw little-endian data. Decoding it here (not with `safetensors` or
-torch) gives zero-copy numpy views over a memory map: a tensor costs host memory only for the pages
-that are touched, and `release` hands those pages back. numpy has no bfloat16; `ml_dtypes` (a jax
-dependency) provides it, so bf16 files are read and written exactly.
-
-  * `SafetensorsFile`: one file, its header checked against the file size before anything is read.
-  * `TensorSource`: every tensor of a checkpoint directory (one file, an index + shards, or, opted
-    in, pickled PyTorch weights) by name.
-  * `write_safetensors`: streams tensors into a file, fetching each just before it is written, so a
-    save holds one tensor on the host at a time; the file appears only when complete.
-
-`amdllm.io.checkpoint` re-exports all of this; the Llama name table and load/save live there.
-"""
+Reading the header ourselves gives zero-copy numpy views over a memory map (a tensor costs host memory
+only for the pages touched, and `release` hands them back); `ml_dtypes` gives numpy bfloat16.
+`SafetensorsFile` is one file, checked against its size; `TensorSource` every tensor of a checkpoint
+directory (a file, an index and shards, or opted-in pickled weights); `write_safetensors` streams tensors
+into a file that appears only when complete. `amdllm.io.checkpoint` re-exports all of this."""
 from __future__ import annotations
 
 import json

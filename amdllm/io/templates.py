@@ -1,19 +1,10 @@
-"""Prompt templates: how instruction rows and chat messages become text, for training and for serving
-alike (the same text a fine-tuned model learned is what the server sends it).
+"""Prompt templates: how instruction rows and chat messages become text, for training and serving alike.
 
-  * A chat template (Jinja, as transformers runs it): the tokenizer's own (`chat_template` in
-    tokenizer_config.json or chat_template.jinja), or one chosen with `--chat-template`: a name in
-    `NAMED_TEMPLATES` (llama3, llama2, vicuna) or a Jinja file.
-  * Without one, built-in formats: Llama 3's header format when the tokenizer has <|start_header_id|>,
-    <|end_header_id|> and <|eot_id|>; otherwise "### User:\\n{content}\\n\\n" blocks, an assistant reply
-    ending with EOS, and the Alpaca layout for instruction rows ("### Instruction:", "### Input:",
-    "### Response:").
-
-A piece is (text, trained): training puts the loss on the trained pieces (every assistant reply and the
-end token after it, as TRL's assistant-only masking does); serving renders the conversation and the
-assistant's header. With a chat template the pieces come from rendering growing prefixes of the
-conversation, so they join to exactly `tokenizer.apply_chat_template(messages, tokenize=False)`.
-"""
+A chat template (Jinja, as transformers runs it) is the tokenizer's own, or `--chat-template`: a name in
+`NAMED_TEMPLATES` (llama3, llama2, vicuna) or a file. Without one, built-in formats: Llama 3's headers
+where the tokenizer has them, else "### User:" blocks and the Alpaca layout. A piece is (text, trained):
+training puts the loss on the assistant's replies; with a chat template the pieces join to exactly
+`tokenizer.apply_chat_template(messages, tokenize=False)`."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -62,8 +62,8 @@ def load_tokenizer(path: str | os.PathLike):
 def _plain_fast(p: Path) -> bool:
     """True when tokenizer_config.json names the generic fast class (Llama 3's and the course's) for a
     tokenizer.json and no remote code: AutoTokenizer then loads exactly that class. Loading it directly
-    skips `transformers.AutoTokenizer`, whose import pulls in PyTorch (~0.25 GB of RSS in every
-    generate/serve process, measured on the 1B shape; BENCHMARKS.md)."""
+    skips `transformers.AutoTokenizer`, whose import pulls in PyTorch (its memory, in every generate and
+    serve process)."""
     try:
         cfg = json.loads((p / "tokenizer_config.json").read_text())
     except (OSError, ValueError):

@@ -1,19 +1,10 @@
 """Grouped-query attention: H query heads share Hkv key/value heads in groups of G = H / Hkv.
 
-  * `attention`: q [B,T,H,hd], k/v [B,S,Hkv,hd], mask [B,T,S] bool -> [B,T,H,hd]. Scores [B, Hkv, G, T, S]
-    in float32, masked, softmax, weighted sum. The reference: `amdllm.model.fast.causal_attention`, the
-    blocked version training runs, is tested against it (tests/test_attention.py).
-  * `cached_attention`: the same over a KV cache laid out head-major, k/v [B, Hkv, S, hd] (decoding), where
-    query t sees the cache slots the mask says are written. In that layout each (batch, kv head) pair's
-    keys are one contiguous [S, hd] matrix, the operand a batched matmul wants; with the slot axis first,
-    XLA transposes the whole cache into that form in every layer of every decode step.
-
-  * `library_attention`: `attention` by `jax.nn.dot_product_attention`, "xla" or "cudnn" (cuDNN's fused
-    flash attention on NVIDIA GPUs, fp16/bf16); grouped-query natively, the mask broadcast over heads.
-
-A query row whose keys are all masked (a padding position) gets uniform weights instead of NaN: its
-output is never read (no real token attends to padding).
-"""
+  * `attention`: q [B,T,H,hd], k/v [B,S,Hkv,hd], mask [B,T,S] bool -> [B,T,H,hd], scores in float32.
+  * `cached_attention`: the same over a head-major KV cache, k/v [B, Hkv, S, hd]: each (row, kv head)'s
+    keys one contiguous [S, hd] matrix, which a batched matmul reads as it lies.
+  * `library_attention`: `jax.nn.dot_product_attention`, "xla" or "cudnn" (NVIDIA GPUs, fp16/bf16).
+A query row whose keys are all masked (padding) gets uniform weights instead of NaN; it is never read."""
 from __future__ import annotations
 
 import math
@@ -48,7 +39,7 @@ def cached_attention(q, k, v, mask):
     G = H // Hkv
     # Per (batch, kv head) pair: r = its G query heads x T positions. The scores are computed transposed,
     # [S, hd] keys times the few query rows, and the softmax runs over axis 2: with q as the left operand
-    # (scores [r, S]) the cache is the matmul's transposed right operand, which XLA:CPU ran 2x slower.
+    # (scores [r, S]) the cache is the matmul's transposed right operand, which XLA:CPU ran slower.
     qg = q.reshape(B, T, Hkv, G, hd).transpose(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, hd)
     qg = qg * jnp.asarray(1 / math.sqrt(hd), q.dtype)
     s = jnp.einsum("bksd,bkrd->bksr", k, qg, preferred_element_type=jnp.float32)  # [B, Hkv, S, G*T]

@@ -1,31 +1,10 @@
-"""The fast paths. Each replaces one part of the textbook model (`amdllm.model.llama`), computes the same
-numbers (tests/test_fast.py checks every one against the textbook), and is on wherever it is faster:
-`forward` here is what training, evaluation, calibration and decoding run.
-
-  * Blocked causal attention with a recomputing backward (`causal_attention`): query blocks skip the
-    key blocks above the diagonal (10 of 16 score blocks at 4 blocks), and the backward recomputes the
-    probabilities from q and k instead of keeping them: autodiff of the textbook version saves float32
-    probabilities [B, H, T, T] per layer, which `lax.scan` stacks over the layers. Everywhere but on an
-    NVIDIA GPU in fp16/bf16, where cuDNN's fused attention runs instead, and on a CPU, where the same
-    algorithm runs in C++ in float32 (`native_attention`, amdllm/native/attention.cc; 2.5-2.9x faster per
-    layer on the 31M step's shape; bf16 q, k and v are widened for it) (`attention_implementation`).
-  * A hand-written SwiGLU backward (`swiglu_joined`, `swiglu_pair`): it saves only its inputs (autodiff
-    also saves sigmoid(gate), silu(gate) and more, stacked per layer by the scan). Everywhere.
-  * Fused projections (`qkv`, `mlp` with `fuse=True`): q/k/v and gate/up each as one matmul on
-    concatenated kernels (and LoRA A's), which XLA:CPU runs closer to its matmul peak than two or three
-    smaller ones; the concat copies the kernels, about 1/rows of the matmul work. On XLA:CPU and off a
-    mesh only, and where `fuses` says (enough rows, and a joined kernel no larger than the output, since
-    autodiff keeps it): accelerators' matmuls are large already, and on a mesh the tensor rules split
-    `out`, where a concat would move data.
-  * The decode step's attention over the cache in C++ on a CPU in float32 (`native_cached_attention`,
-    amdllm/native/attention.cc; 3.6x XLA's at batch 8 over 192 slots).
-  * Per-layer decoding and training: `layers` may be a list of per-layer dicts (`amdllm.model.views`:
-    zero-copy views of the stack on a CPU), which run as an unrolled loop (`_unrolled`). A decode step
-    then reads each layer's weights where they lie instead of XLA copying every layer's slice out of the
-    stack; a training step builds no stacked residuals. CPU only; the scan stays elsewhere.
-  * Narrow weights (bfloat16, float16) on a CPU: carried as their bits and widened one layer at a time,
-    or multiplied as bf16 where the CPU can; the head by vocabulary blocks (`amdllm.model.narrow`).
-The XLA:CPU compiler options the jitted steps use are in `amdllm.cpu`.
+"""The fast paths, plain JAX. Each replaces one part of the textbook model (`amdllm.model.llama`) and
+computes the same numbers (tests/test_fast.py checks each against it); `forward` here is what training,
+evaluation, calibration and decoding run:
+  * blocked causal attention with a recomputing backward, or cuDNN's on an NVIDIA GPU in bf16/fp16;
+  * a SwiGLU backward that keeps only its inputs;
+  * fused q/k/v and gate/up projections (XLA:CPU, off a mesh);
+  * narrow weights as bits on a CPU (`amdllm.model.narrow`), and per-layer weights (`layer_slices`).
 """
 from __future__ import annotations
 
@@ -38,16 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from amdllm import native
 from amdllm.config import LlamaConfig
 import amdllm.model.llama as llama
+import amdllm.model.narrow as narrow
 from amdllm.model.attention import _scores, cached_attention, library_attention
-from amdllm.model.dense import Dense
-from amdllm.model.layers import lora_delta, rms_norm, rope_tables
-from amdllm.model.llama import KVCache, Kernels, LoRA, Run, block, embed, project
-from amdllm.model.narrow import (Bits, bf16_dots_for, fence, has_bits, head_blocked, hold_stacked,
-                                 keep_all_but_widening, keep_bits, lookup, native_rows_for, unwidened)
-from amdllm.model.views import split_cache
+from amdllm.model.layers import lora_delta
+from amdllm.model.llama import KVCache, Kernels, LoRA, Run, project
 
 FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
 FUSE_MIN_ROWS = 64  # below this (decoding), copying the kernels costs more than fewer matmuls save
@@ -57,14 +32,9 @@ FUSE_MIN_ROWS = 64  # below this (decoding), copying the kernels costs more than
 # Fused projections
 # --------------------------------------------------------------------------------------------------
 def fuses(rows: int, in_features: int) -> bool:
-    """Whether a group of projections of `rows` rows of width `in_features` runs as one matmul (where
-    `kernels(fuse=True)`): from FUSE_MIN_ROWS rows, and only where the joined kernel [in, sum(out)] is no
-    larger than the output [rows, sum(out)]. Why the second: autodiff keeps each layer's joined kernel for
-    the backward pass, every layer's at once. On the 1B shape in float32 at 1 x 256 tokens (in = 2048) that
-    was 2.5 GB of the step's 8.7 GB (XLA's figure), with no speed gained (40.5 fused against 42.1 tokens/s);
-    on the 31M benchmark's step (2048 rows, in = 512) fusing is 2-3% faster (1.32-1.34 against 1.35-1.38 s
-    a step on a 2-core Intel Xeon, in alternating processes; docs/benchmark-history.md, "fused projections
-    and memory")."""
+    """Whether a group of projections of `rows` rows of width `in_features` runs as one matmul: from
+    FUSE_MIN_ROWS rows, and only where the joined kernel [in, sum(out)] is no larger than the output
+    [rows, sum(out)] (autodiff keeps every layer's joined kernel for the backward)."""
     return rows >= FUSE_MIN_ROWS and in_features <= rows
 
 
@@ -74,22 +44,13 @@ def project_group(p: dict, key: str, x, lora: LoRA, fuse: bool, joined: bool = F
     joined=True: when fused, the one [..., sum(out)] output unsplit (its consumer takes it whole)."""
     names = FUSED[key]
     rows = math.prod(x.shape[:-1])
-    if (not fuse or not fuses(rows, x.shape[-1]) or any(isinstance(p[n], dict) for n in names)  # GPTQ: separate
-            or any(jnp.dtype(p[n].dtype).itemsize < 4 for n in names)):  # XLA:CPU widens narrow kernels
-        # (a copy each already): a concat would be one more
-        # one 2-D view of x for all of them: autodiff then keeps it once for the backward pass, not once per
-        # projection (`layers.linear` leaves a 2-D input as it is)
-        x2 = x.reshape(-1, x.shape[-1])
-        outs = []
-        for n in names:  # narrow kernels as bits: each widened after the one before it is used
-            widened = isinstance(p[n], Bits) and not (bf16_dots_for(p[n], rows) or native_rows_for(p[n], rows))
-            q = {**p, n: p[n].after(outs[-1])} if outs and widened else p
-            outs.append(project(q, n, x2, lora))
-        return [o.reshape(*x.shape[:-1], o.shape[-1]) for o in outs]
+    x2 = x.reshape(-1, x.shape[-1])  # one 2-D view for all: autodiff keeps it once, not once per projection
+    if (not fuse or not fuses(rows, x.shape[-1])
+            or any(not isinstance(p[n], jax.Array) or jnp.dtype(p[n].dtype).itemsize < 4 for n in names)):
+        # GPTQ words, bits and narrow kernels stay separate: XLA:CPU widens each already
+        return [project(p, n, x2, lora).reshape(*x.shape[:-1], -1) for n in names]
     sizes = [p[n].shape[-1] for n in names]
-    x2 = x.reshape(-1, x.shape[-1])
-    joined_kernel = jnp.concatenate([p[n].w if isinstance(p[n], Dense) else p[n] for n in names], axis=-1)
-    y = x2 @ joined_kernel.astype(x.dtype)                                                # [rows, sum(out)]
+    y = x2 @ jnp.concatenate([p[n] for n in names], axis=-1).astype(x.dtype)            # [rows, sum(out)]
     rngs = [None if lora.rng is None else jax.random.fold_in(lora.rng, llama.PROJECTIONS.index(n)) for n in names]
     with_a = [n + "_lora_a" in p for n in names]
     if all(with_a) and not (lora.dropout > 0.0 and lora.rng is not None):
@@ -222,151 +183,70 @@ _blocked.defvjp(_blocked_fwd, _blocked_bwd)
 # --------------------------------------------------------------------------------------------------
 # The switch, and the forward the hot paths run
 # --------------------------------------------------------------------------------------------------
-ATTENTION = ("blocked", "native", "xla", "cudnn")
-NATIVE_BLOCK = 32  # query positions per block in attention.cc (31M step: the same speed at 64, slower at 16)
+ATTENTION = ("blocked", "xla", "cudnn")
 
 
 def attention_implementation(dtype) -> str:
     """The attention training, evaluation and prefills run (one of ATTENTION): $AMDLLM_ATTENTION where set;
-    else "cudnn" (cuDNN's fused flash attention) on an NVIDIA GPU in fp16/bf16, "native" (`native_attention`)
-    on a CPU where the native library builds (float32, or bf16/fp16 widened to it), and our blocked one
-    elsewhere: cuDNN's does not run on ROCm (ROCm/jax#604) nor in float32, and on CPUs and TPUs XLA's
-    unfused attention keeps [B, H, T, T] float32 probabilities for the backward."""
+    else "cudnn" (cuDNN's fused flash attention) on an NVIDIA GPU in fp16/bf16, else our blocked one (cuDNN
+    does not run on ROCm nor in float32; XLA's unfused attention keeps [B, H, T, T] probabilities)."""
     chosen = os.environ.get("AMDLLM_ATTENTION", "").strip()
     if chosen:
         if chosen not in ATTENTION:
             raise ValueError(f"AMDLLM_ATTENTION={chosen!r}: expected one of {', '.join(ATTENTION)}")
         return chosen
     nvidia = jax.default_backend() == "gpu" and "nvidia" in jax.devices()[0].device_kind.lower()
-    if nvidia and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
-        return "cudnn"
-    if jnp.issubdtype(dtype, jnp.floating) and native.attention_available():  # False off the CPU
-        return "native"
-    return "blocked"
+    return "cudnn" if nvidia and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "blocked"
 
 
-def _all_float32(*xs) -> bool:  # what amdllm/native/attention.cc takes
-    return all(jnp.dtype(x.dtype) == jnp.float32 for x in xs)
-
-
-def native_attention(q, k, v, mask):
-    """`causal_attention` (same arguments and numbers, to float32 rounding) in amdllm/native/attention.cc.
-    On the 31M benchmark step's shape (batch 8 x 256, 8 heads over 2 kv heads, head size 64; 2-core AMD
-    EPYC Zen 4) a layer's forward and backward took 18 ms against 45-52 ms for the XLA version (`jax.jit`
-    timings; docs/benchmark-history.md, "native attention").
-
-    bf16 or fp16 q, k and v are widened to float32 for the kernel and its output narrowed back (their
-    gradients too): [B, T, H, hd] copies, small beside the products. The attention is then computed in
-    float32 from the narrow inputs, as PyTorch's CPU flash attention accumulates bf16 in float32; XLA:CPU
-    would widen every bf16 operand anyway. The 1B bf16 LoRA step: 97.9 -> 108.1 tokens/s on a 2-core
-    Intel Xeon (docs/benchmark-history.md, "the 1B bf16 step's attention and head")."""
-    wide = tuple(x.astype(jnp.float32) for x in (q, k, v))
-    return native.causal_attention(*wide, mask, 1 / math.sqrt(q.shape[-1]), NATIVE_BLOCK).astype(q.dtype)
-
-
-@jax.custom_vjp
-def native_cached_attention(q, k, v, mask):
-    """`amdllm.model.attention.cached_attention` (same arguments and numbers, to float32 rounding) in
-    amdllm/native/attention.cc when q, k and v are float32, else XLA's. The decode step's attention: at batch
-    8 over 192 cache slots (31M model, 2-core AMD EPYC Zen 4) 63 against 229 us a layer (`jax.jit` timings,
-    docs/benchmark-history.md, "native attention"). Differentiable through XLA's version (a prefill's)."""
-    if not _all_float32(q, k, v):
-        return cached_attention(q, k, v, mask)
-    return native.cached_attention(q, k, v, mask, 1 / math.sqrt(q.shape[-1]))
-
-
-def _native_cached_bwd(res, do):
-    q, k, v, mask = res
-    return (*jax.vjp(lambda q, k, v: cached_attention(q, k, v, mask), q, k, v)[1](do), None)
-
-
-native_cached_attention.defvjp(lambda q, k, v, mask: (native_cached_attention(q, k, v, mask), (q, k, v, mask)),
-                               _native_cached_bwd)
-
-
-def held_rope_tables(cfg: LlamaConfig, positions):
-    """`layers.rope_tables`, each table written to memory once (`native.materialized`, a CPU only): XLA:CPU
-    otherwise fuses cos and sin into every rotation of q and k and evaluates them again per head, forward and
-    backward (31M benchmark LoRA step: about 40 ms of ~1.5 s; docs/benchmark-history.md, "the per-layer
-    training step"). The same numbers."""
-    return tuple(native.materialized(t) for t in rope_tables(cfg, positions))
-
-
-def kernels(fuse: bool, attention: str = "blocked", held_rope: bool = False) -> Kernels:
-    """The fast kernels; fuse: join q/k/v and gate/up into one matmul each (see the module doc);
-    attention: one of ATTENTION; held_rope: the RoPE tables through `held_rope_tables` (a CPU, no mesh)."""
+def kernels(fuse: bool, attention: str = "blocked", bits: bool = False) -> Kernels:
+    """The fast kernels; fuse: join q/k/v and gate/up into one matmul each; attention: one of ATTENTION;
+    bits: the weights may be `narrow.Bits` (widened where used, never kept widened for a backward)."""
     def mlp(p, h, lora):
         gu = project_group(p, "gate_up", h, lora, fuse, joined=True)
         return swiglu_joined(gu) if not isinstance(gu, list) else swiglu_pair(*gu)
 
-    attend = {"blocked": causal_attention, "native": native_attention}.get(attention) or partial(
-        library_attention, implementation=attention)
-    return Kernels(qkv=lambda p, h, lora: tuple(project_group(p, "qkv", h, lora, fuse)),
-                   attend=attend, mlp=mlp, weights=fence, lookup=lookup,
-                   rope=held_rope_tables if held_rope else rope_tables,
-                   attend_cached=native_cached_attention if attention == "native" else cached_attention)
-
-
-def kernels_for(run: Run, layers=None) -> Kernels:
-    attention = attention_implementation(run.dtype)
-    if attention == "native" and run.act_sharding is not None:  # XLA cannot split a custom call over a mesh
-        attention = "blocked"
-    alone = run.act_sharding is None and jax.default_backend() == "cpu"  # XLA:CPU, off a mesh
-    k = kernels(fuse=alone, attention=attention, held_rope=alone)
-    if has_bits(layers) and isinstance(layers, dict):  # a frozen narrow base, scanned
-        k = k._replace(checkpoint=keep_bits, hold=hold_stacked)
+    attend = causal_attention if attention == "blocked" else partial(library_attention, implementation=attention)
+    k = Kernels(qkv=lambda p, h, lora: tuple(project_group(p, "qkv", h, lora, fuse)), attend=attend, mlp=mlp,
+                attend_cached=cached_attention)
+    if bits:
+        k = k._replace(weights=narrow.fence, lookup=narrow.lookup, head=narrow.head,
+                       checkpoint=partial(jax.checkpoint, policy=narrow.keep_all_but_widening, prevent_cse=False))
     return k
 
 
+def kernels_for(run: Run, layers=None, top=None) -> Kernels:
+    """The fast kernels for `run` over these weights: fused projections on XLA:CPU off a mesh."""
+    alone = run.act_sharding is None and jax.default_backend() == "cpu"
+    return kernels(fuse=alone, attention=attention_implementation(run.dtype),
+                   bits=narrow.has_bits(layers) or narrow.has_bits(top))
+
+
 def forward(cfg: LlamaConfig, top: dict, layers, tokens, *, run: Run = Run(), **kw):
-    """`llama.forward` (same arguments and results) with the fast kernels. `layers` may also be a list of
-    per-layer dicts (`views.layer_views`, `views.step_views`): the layers then run as an unrolled loop,
-    with a per-layer cache (tuples, `views.init_cache(per_layer=True)`) or a stacked one; a per-layer
-    cache also works with stacked layers (a prefill scans the stacked weights and hands the decode steps
-    a per-layer cache)."""
-    k = kernels_for(run, layers)
-    cache = kw.get("cache")
-    per_layer_cache = cache is not None and isinstance(cache.k, (tuple, list))
-    want_hidden = kw.pop("return_hidden", False)
-    if isinstance(layers, (list, tuple)):
-        h, new = _unrolled(cfg, top, layers, tokens, run=run, kernels=k, **kw)
-    elif per_layer_cache:
-        kw["cache"] = KVCache(jnp.stack(cache.k), jnp.stack(cache.v), cache.valid)
-        h, new = llama.forward(cfg, top, layers, tokens, run=run, kernels=k, return_hidden=True, **kw)
-        new = split_cache(new)
-    else:
-        h, new = llama.forward(cfg, top, layers, tokens, run=run, kernels=k, return_hidden=True, **kw)
-    return (h if want_hidden else head_blocked(top, h, run.dtype)), new
+    """`llama.forward` (same arguments and results) with the fast kernels."""
+    return llama.forward(cfg, top, layers, tokens, run=run, kernels=kernels_for(run, layers, top), **kw)
 
 
-def _unrolled(cfg, top, layer_list, tokens, *, positions=None, segment_ids=None, cache=None,
-              cache_index=None, run: Run = Run(), dropout_rng=None, kernels=None):
-    """`llama.forward` over per-layer weights, as a Python loop (compile time grows with depth) -> (the
-    normed hidden states, cache). Without a cache each layer keeps what `run.remat` says, as in the scan."""
-    x, rope, mask, valid = embed(cfg, top, tokens, positions, segment_ids, cache, cache_index, run.dtype, kernels)
+# --------------------------------------------------------------------------------------------------
+# Per-layer weights and caches
+# --------------------------------------------------------------------------------------------------
+def layer_slices(layers) -> list:
+    """Stacked layer weights [L, ...] as L per-layer pytrees of the slices a[i]. Inside jit these are static
+    slices that XLA reads where they lie (the decode step on a GPU, where a scan copies each layer out of
+    the stack first); outside jit each is a copy."""
+    L = jax.tree.leaves(layers)[0].shape[0]
+    return [jax.tree.map(lambda a, i=i: a[i], layers) for i in range(L)]
 
-    def layer(x, xs):
-        p, kv, rng = xs
-        return block(cfg, kernels.weights(p), x, rope, mask, kv, cache_index, kernels=kernels,
-                     lora=LoRA(run.lora_scale, run.lora_dropout, rng))
 
-    if cache is None:  # training or evaluation; a decode step is never differentiated
-        if not unwidened(layer_list, math.prod(tokens.shape)):
-            # a narrow kernel widened in XLA: keep none of the widened copies for the backward
-            kernels = kernels._replace(checkpoint=partial(jax.checkpoint, policy=keep_all_but_widening,
-                                                          prevent_cse=False))
-        layer = llama.remat(layer, run, kernels)
-    ks, vs = [], []
-    for i, p in enumerate(layer_list):
-        rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, i)
-        kv = None if cache is None else (cache.k[i], cache.v[i])
-        x, kv = layer(x, (p, kv, rng))
-        if kv is not None:
-            ks.append(kv[0])
-            vs.append(kv[1])
-    x = rms_norm(x, top["norm"], cfg.rms_norm_eps)
-    new = None
-    if cache is not None:  # a stacked cache stays stacked
-        stacked = not isinstance(cache.k, (tuple, list))
-        new = KVCache(jnp.stack(ks) if stacked else tuple(ks), jnp.stack(vs) if stacked else tuple(vs), valid)
-    return x, new
+def split_cache(cache: KVCache) -> KVCache:
+    """A stacked cache as per-layer tuples (a scanned prefill's, for steps over per-layer weights)."""
+    if isinstance(cache.k, (tuple, list)):
+        return cache
+    L = cache.k.shape[0]
+    return KVCache(tuple(cache.k[i] for i in range(L)), tuple(cache.v[i] for i in range(L)), cache.valid)
+
+
+def init_cache(cfg: LlamaConfig, batch: int, max_len: int, dtype=jnp.float32, per_layer: bool = False) -> KVCache:
+    """`llama.init_cache`, or with per_layer=True one [B, Hkv, S, hd] array per layer."""
+    cache = llama.init_cache(cfg, batch, max_len, dtype)
+    return split_cache(cache) if per_layer else cache

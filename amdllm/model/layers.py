@@ -58,14 +58,16 @@ def apply_rope(x, cos, sin):
 
 
 def linear(x, w, lora_a=None, lora_b=None, lora_scale=0.0, dropout=0.0, rng=None):
-    """x [..., in] @ kernel [in, out] (+ LoRA). `w` is an array (dense), a dict of packed GPTQ tensors, or
-    narrow weights carried as bits (`model.narrow.Bits`, which multiply themselves: `Bits.matmul`)."""
+    """x [..., in] @ kernel [in, out] (+ LoRA). `w` is an array, a dict of packed GPTQ tensors, or an
+    object that multiplies itself (`w.matmul(x2)`: narrow weights as bits, a backend's weights)."""
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])  # [rows, in]: XLA:CPU runs 2-D matmuls' backward faster than 3-D ones
-    if hasattr(w, "matmul"):  # narrow weights as bits on a CPU (`model.narrow.Bits`)
+    x2 = x.reshape(-1, x.shape[-1])                                                  # [rows, in]
+    if isinstance(w, dict):
+        y = packed_matmul(x2, w, x.dtype)
+    elif hasattr(w, "matmul"):
         y = w.matmul(x2)
     else:
-        y = packed_matmul(x2, w, x.dtype) if isinstance(w, dict) else x2 @ w.astype(x.dtype)
+        y = x2 @ w.astype(x.dtype)
     if lora_a is not None:
         y = y + lora_delta(x2, lora_a, lora_b, lora_scale, dropout, rng).astype(y.dtype)
     return y.reshape(*lead, y.shape[-1])
@@ -87,6 +89,8 @@ def swiglu(gate, up):
 def head(top: dict, h, dtype):
     """Normed hidden states h [..., D] -> float32 logits [..., V]; a tied model reuses its embeddings."""
     w = top["lm_head"] if "lm_head" in top else top["embed_tokens"].T   # [D, V]
+    if hasattr(w, "matmul"):  # a backend's weights (`linear`)
+        return w.matmul(h.reshape(-1, h.shape[-1]).astype(jnp.float32)).reshape(*h.shape[:-1], -1)
     return jnp.dot(h, w.astype(dtype), preferred_element_type=jnp.float32)
 
 

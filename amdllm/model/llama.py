@@ -5,22 +5,7 @@
         x = x + o_proj(attention(rope(q), rope(k), v)) # q/k/v from rms_norm(x); grouped-query attention
         x = x + down_proj(silu(gate(h)) * up(h))       # h = rms_norm(x)
     logits = head(rms_norm(x))                         # [B, T, V] float32
-
-Layout choices (and why):
-  * Decoder layers are *stacked*: every per-layer weight has a leading `layers` axis and the stack runs
-    under `jax.lax.scan`, so compile time does not grow with depth (126 layers compile like 1).
-  * Kernels are stored [in, out] (HF stores nn.Linear weights [out, in]; the loader transposes), heads
-    flattened into the last axis (q: [D, H*hd]), so a GPTQ-packed kernel has a dense one's 2-D shape.
-  * Each parameter carries logical axis names (`axes`, MaxText style); `amdllm.parallel.sharding` maps
-    them to mesh axes with one rules table.
-  * A projection is dense, dense + LoRA (`<name>_lora_a/_lora_b` params) or packed int4/int8 (a dict
-    dequantized inside the jitted step): `layers.linear` serves all three.
-  * `Run.remat` says what each layer keeps for the backward pass: everything autodiff needs ("none"), the
-    projections' outputs, named PROJECTION_OUTPUT, recomputing norms, RoPE, attention and SwiGLU ("dots"),
-    or only its input ("full").
-The faster versions of a block's parts (fused projections, blocked attention, custom backward passes,
-per-layer decoding) are in `amdllm.model.fast`, tested equal to the ones here.
-"""
+Layers are stacked ([L, ...] per weight, run by `lax.scan`) or a list of per-layer dicts (a loop)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,7 +26,8 @@ LoRAParam = nnx.LoRAParam  # Flax's own: trainable factors; everything else is f
 
 
 def param_table(cfg: LlamaConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
-    """Every base parameter: our name -> (shape, logical axes). The one source of truth for shapes."""
+    """Every base parameter: our name -> (shape, logical axes). Kernels are [in, out] (HF stores
+    [out, in]); the axis names are mapped to a mesh by `amdllm.parallel.sharding`'s rules table."""
     L, D, F, V = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     q, kv = cfg.q_dim, cfg.kv_dim
     t = {
@@ -63,7 +49,7 @@ def param_table(cfg: LlamaConfig) -> dict[str, tuple[tuple[int, ...], tuple[str,
 
 
 class KVCache(NamedTuple):
-    k: Any            # [L, B, Hkv, S, hd]: head-major, each (row, kv head)'s keys one [S, hd] matrix
+    k: Any            # [L, B, Hkv, S, hd] head-major, or a tuple of L [B, Hkv, S, hd] (per-layer weights)
     v: Any            # like k
     valid: jax.Array  # [B, S] bool: the slot holds a real (non-padding) token
 
@@ -76,26 +62,24 @@ def init_cache(cfg: LlamaConfig, batch: int, max_len: int, dtype=jnp.float32) ->
 @dataclass(frozen=True)
 class Run:
     """How to run the model (not what it is): compute dtype, remat, LoRA's scale and dropout, and the
-    sharding of the [B, T, D] hidden states on a mesh (without it XLA may split activations like FSDP's
-    weights and keep whole batches on every device)."""
+    sharding of the [B, T, D] hidden states on a mesh."""
     dtype: Any = jnp.float32
-    remat: bool | str = False  # one of REMAT: "none" (False), "dots" or "full" (True); see `forward`
+    remat: bool | str = False  # one of REMAT: "none" (False), "dots" or "full" (True); see `remat`
     lora_scale: float = 0.0
     lora_dropout: float = 0.0
     act_sharding: Any = None
 
 
 class Kernels(NamedTuple):
-    """How a block computes its heavy parts. TEXTBOOK below; `amdllm.model.fast.kernels` are faster."""
+    """How a block computes its heavy parts: TEXTBOOK below, or `amdllm.model.fast.kernels_for`."""
     qkv: Callable     # (p, h [B,T,D], lora) -> (q [B,T,H*hd], k, v [B,T,Hkv*hd])
     attend: Callable  # (q [B,T,H,hd], k, v [B,T,Hkv,hd], mask [B,T,T]) -> [B,T,H,hd]; no cache
     mlp: Callable     # (p, h [B,T,D], lora) -> silu(h W_gate) * (h W_up) [B,T,F]
-    weights: Callable = lambda p: p  # (p) -> p, applied to each layer's parameters before use
+    attend_cached: Callable = cached_attention  # (q, k/v [B,Hkv,S,hd] cache, mask [B,T,S]) -> q's shape
+    weights: Callable = lambda p: p  # (p) -> p: a layer's parameters, as its products read them
     lookup: Callable = lambda table, tokens: jnp.take(table, tokens, axis=0)  # embedding rows [B, T, D]
-    checkpoint: Any = None  # (layer) -> layer: what each layer keeps for the backward (None: all it needs)
-    hold: Any = None  # (layers) -> (layers to scan, at(i) -> layer i's weights read in place, not scanned)
-    attend_cached: Callable = cached_attention  # (q [B,T,H,hd], k, v [B,Hkv,S,hd] cache, mask [B,T,S]) -> q's shape
-    rope: Callable = rope_tables  # (cfg, positions [B, T]) -> (cos, sin) [B, T, hd] float32
+    head: Callable = head  # (top, normed h [..., D], dtype) -> float32 logits [..., V]
+    checkpoint: Any = None  # (layer) -> layer: what it keeps for the backward where run.remat is "none"
 
 
 class LoRA(NamedTuple):
@@ -104,26 +88,15 @@ class LoRA(NamedTuple):
     rng: Any = None   # a dropout key per layer; each projection folds in its index in PROJECTIONS
 
 
+PROJECTION_OUTPUT = "proj"  # the name remat="dots" keeps: each projection's output, its LoRA delta added
+REMAT = ("none", "dots", "full")
+
+
 def project(p: dict, name: str, x, lora: LoRA = LoRA()):
     """Layer p's projection `name` applied to x, with its LoRA factors if it has them."""
     rng = None if lora.rng is None else jax.random.fold_in(lora.rng, PROJECTIONS.index(name))
     y = linear(x, p[name], p.get(name + "_lora_a"), p.get(name + "_lora_b"), lora.scale, lora.dropout, rng)
     return checkpoint_name(y, PROJECTION_OUTPUT)
-
-
-PROJECTION_OUTPUT = "proj"  # the name remat="dots" keeps: each projection's output, its LoRA delta added
-REMAT = ("none", "dots", "full")
-
-
-def remat_mode(remat) -> str:
-    """A Run's remat as one of REMAT (False or None: "none"; True: "full")."""
-    if remat is None or remat is False:
-        return "none"
-    if remat is True:
-        return "full"
-    if remat not in REMAT:
-        raise ValueError(f"remat must be one of {', '.join(REMAT)}, got {remat!r}")
-    return remat
 
 
 TEXTBOOK = Kernels(
@@ -138,7 +111,7 @@ def block(cfg: LlamaConfig, p: dict, x, rope, mask, kv=None, cache_index=None, *
 
     kv: this layer's cache (k, v) [B, Hkv, S, hd], the new keys/values written at `cache_index`.
     tap(name, a) sees (and may replace) each projection's input: "attn_in", "o_in", "mlp_in", "down_in"
-    (GPTQ calibration collects them; replacing "o_in" with a known value leaves attention unused)."""
+    (GPTQ calibration collects them)."""
     B, T, _ = x.shape
     H, Hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     h = tap("attn_in", rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps))            # [B, T, D]
@@ -181,45 +154,69 @@ def embed(cfg: LlamaConfig, top: dict, tokens, positions, segment_ids, cache, ca
     if positions is None:
         positions = jnp.broadcast_to((cache_index or 0) + jnp.arange(T, dtype=jnp.int32), (B, T))
     x = kernels.lookup(top["embed_tokens"], tokens).astype(dtype)                       # [B, T, D]
-    return (x, kernels.rope(cfg, positions), *attention_mask(segment_ids, cache, cache_index))
+    return (x, rope_tables(cfg, positions), *attention_mask(segment_ids, cache, cache_index))
+
+
+def remat_mode(remat) -> str:
+    """A Run's remat as one of REMAT (False or None: "none"; True: "full")."""
+    if remat is None or remat is False:
+        return "none"
+    if remat is True:
+        return "full"
+    if remat not in REMAT:
+        raise ValueError(f"remat must be one of {', '.join(REMAT)}, got {remat!r}")
+    return remat
 
 
 def remat(layer, run: Run, kernels: Kernels = TEXTBOOK):
-    """`layer` wrapped to keep for the backward pass what `run.remat` says (or the kernels' own choice)."""
+    """`layer` wrapped to keep for the backward pass what `run.remat` says: everything ("none"), the
+    projections' outputs, recomputing norms, RoPE, attention and SwiGLU ("dots"), or its input ("full")."""
     mode = remat_mode(run.remat)
-    if mode == "full":  # keep each layer's input only; recompute the rest in the backward pass
+    if mode == "full":
         return jax.checkpoint(layer, prevent_cse=False)
-    if mode == "dots":  # keep the projections' outputs; recompute norms, RoPE, attention, SwiGLU, LoRA's x A
+    if mode == "dots":
         return jax.checkpoint(layer, policy=jax.checkpoint_policies.save_only_these_names(PROJECTION_OUTPUT),
                               prevent_cse=False)
     return layer if kernels.checkpoint is None else kernels.checkpoint(layer)
 
 
-def forward(cfg: LlamaConfig, top: dict, layers: dict, tokens, *, positions=None, segment_ids=None,
+def forward(cfg: LlamaConfig, top: dict, layers, tokens, *, positions=None, segment_ids=None,
             cache: KVCache | None = None, cache_index=None, run: Run = Run(), dropout_rng=None,
             return_hidden: bool = False, kernels: Kernels = TEXTBOOK):
     """tokens [B, T] -> (logits [B, T, V] float32, or the normed hidden states with return_hidden; cache).
 
-    top: embed_tokens, norm, lm_head?; layers: the stacked [L, ...] parameters. positions [B, T]: RoPE
-    positions (default 0.., from cache_index with a cache); segment_ids [B, T]: equal ids attend to each
-    other, 0 marks padding; cache: a KVCache written from slot cache_index."""
+    top: embed_tokens, norm, lm_head?; layers: stacked [L, ...] weights, or a list of per-layer dicts.
+    positions [B, T]: RoPE positions (default 0.., from cache_index with a cache); segment_ids [B, T]:
+    equal ids attend to each other, 0 is padding; cache: a KVCache written from slot cache_index."""
     x, rope, mask, valid = embed(cfg, top, tokens, positions, segment_ids, cache, cache_index, run.dtype, kernels)
 
-    layers, held = kernels.hold(layers) if kernels.hold is not None else (layers, lambda i: {})
-
-    def layer(x, xs):  # scanned over the stacked layers
+    def layer(x, xs):
         p, kv, i = xs
-        p = kernels.weights({**p, **held(i)})
         rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, i)
-        x, kv = block(cfg, p, constrain(x, run.act_sharding), rope, mask, kv, cache_index,
+        x, kv = block(cfg, kernels.weights(p), constrain(x, run.act_sharding), rope, mask, kv, cache_index,
                       lora=LoRA(run.lora_scale, run.lora_dropout, rng), kernels=kernels)
         return constrain(x, run.act_sharding), kv
 
+    layer = remat(layer, run, kernels)
     kvs = None if cache is None else (cache.k, cache.v)
-    x, kvs = jax.lax.scan(remat(layer, run, kernels), x, (layers, kvs, jnp.arange(cfg.num_hidden_layers)))
+    if isinstance(layers, (list, tuple)):  # per-layer weights: a loop (compile time grows with depth)
+        out = []
+        for i, p in enumerate(layers):
+            x, kv = layer(x, (p, None if kvs is None else (kvs[0][i], kvs[1][i]), i))
+            out.append(kv)
+        if kvs is not None:  # the cache keeps its layout: stacked, or one array per layer
+            ks, vs = tuple(kv[0] for kv in out), tuple(kv[1] for kv in out)
+            kvs = (ks, vs) if isinstance(cache.k, tuple) else (jnp.stack(ks), jnp.stack(vs))
+    else:
+        per_layer = kvs is not None and isinstance(cache.k, tuple)
+        if per_layer:
+            kvs = (jnp.stack(kvs[0]), jnp.stack(kvs[1]))
+        x, kvs = jax.lax.scan(layer, x, (layers, kvs, jnp.arange(cfg.num_hidden_layers)))
+        if per_layer:
+            kvs = tuple(tuple(c[i] for i in range(cfg.num_hidden_layers)) for c in kvs)
     x = rms_norm(x, top["norm"], cfg.rms_norm_eps)                                      # [B, T, D]
     cache = None if cache is None else KVCache(kvs[0], kvs[1], valid)
-    return (x if return_hidden else head(top, x, run.dtype)), cache
+    return (x if return_hidden else kernels.head(top, x, run.dtype)), cache
 
 
 class Layers(nnx.Module):
@@ -273,16 +270,9 @@ def count_params(model: Any) -> int:
 def logit_tolerance(cfg: LlamaConfig, logit_scale: float) -> float:
     """How far two correct float32 implementations of this model may differ in one logit (absolute).
 
-    Each library sums a matmul in its own order: for a reduction of length K the results differ by
-    about sqrt(K) * eps relative to the output's scale (rounding errors add like a random walk; eps =
-    2**-23, float32's machine epsilon). A logit ends a chain of about four such matmuls per layer
-    (q/k/v, o, gate/up, down) plus the head, and the residual stream carries each layer's error on:
-
-        tol = sqrt(max(hidden, intermediate)) * (4 L + 1) * eps * max|logit|
-
-    For the course model (K = 768, L = 4) that is ~5.6e-5 of the largest logit. A real bug (a wrong
-    LoRA scale, a missing projection, a transposed weight) moves logits by a sizeable fraction of their
-    scale, orders of magnitude more."""
+    A length-K reduction summed in another order differs by about sqrt(K) * eps of its scale; a logit ends
+    about 4 such products a layer plus the head: tol = sqrt(max(D, F)) * (4 L + 1) * eps * max|logit|.
+    A real bug (a wrong LoRA scale, a transposed weight) moves logits by orders of magnitude more."""
     k = max(cfg.hidden_size, cfg.intermediate_size)
     eps = float(np.finfo(np.float32).eps)
     return float(np.sqrt(k) * (4 * cfg.num_hidden_layers + 1) * eps * max(float(logit_scale), 1.0))

@@ -1,14 +1,9 @@
 """LoRA on the stacked Llama: attach fresh factors, read and set them, merge them into the weights.
 
-A LoRA-adapted projection computes  y = x @ W + (alpha / r) * (dropout(x) @ A) @ B  (model.linear).
-Here A is [L, in, r] and B is [L, r, out] (one pair per stacked layer, same leading axis as W);
-PEFT stores the same factors per layer as lora_A.weight [r, in] and lora_B.weight [out, r]
-(nn.Linear layout), so export is a per-layer transpose and nothing else (amdllm.io.peft).
-
-Initialisation follows PEFT's default (`init_lora_weights=True`): A as nn.Linear initialises its
-[r, in] weight, kaiming_uniform(a=sqrt(5)) i.e. U(-1/sqrt(in), 1/sqrt(in)), and B = 0, so the
-adapted model starts exactly equal to the base.
-"""
+A LoRA-adapted projection computes  y = x @ W + (alpha / r) * (dropout(x) @ A) @ B  (`layers.linear`),
+A [L, in, r] and B [L, r, out]; PEFT stores per layer lora_A.weight [r, in] and lora_B.weight [out, r],
+so export is a transpose (amdllm.io.peft). Initialisation is PEFT's default: A as nn.Linear initialises
+its weight, B = 0, so the adapted model starts exactly equal to the base."""
 from __future__ import annotations
 
 import math

@@ -4,7 +4,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from amdllm import native
 
 
 def cross_entropy(logits, targets, weights):
@@ -35,15 +34,3 @@ def _nll_bwd(res, g):
 
 
 token_nll.defvjp(_nll_fwd, _nll_bwd)
-
-
-def nll_for(run):
-    """The `token_nll` a step run as `run` (a `llama.Run`) uses: on a CPU off a mesh, for float32 logits (the
-    head's), the C++ one (`native.token_nll`, amdllm/native/cross_entropy.cc; the same numbers to float32
-    rounding, tests/test_native.py) where it builds and AMDLLM_NATIVE is not 0; else the one above. On a
-    mesh XLA would gather the sharded logits to call it."""
-    def nll(logits, targets):
-        if run.act_sharding is None and logits.dtype == jnp.float32 and native.cross_entropy_available():
-            return native.token_nll(logits, targets)
-        return token_nll(logits, targets)
-    return nll

@@ -1,32 +1,11 @@
-"""Dequantizing matmuls that never build the dense kernel: a Pallas kernel and XLA's int4 route.
+"""Dequantizing matmuls for GPUs that never build the dense kernel: a Pallas kernel and XLA's int4 route.
 
-`quantized.quantized_matmul` (the reference, and what runs on CPUs and TPUs) unpacks the GPTQ words into
-a whole dense kernel [K, N] in HBM every call, then multiplies. At batch 1 that triples the bytes a decode
-step moves: int4 decoding ran at 0.71x bf16 on an H200 that way (BENCHMARKS.md). The two routes here dequantize
-where the data already is:
-
-  pallas_matmul  A Pallas kernel lowered through Triton, so one source serves NVIDIA and ROCm (JAX routes
-                 Pallas to Triton on ROCm). Each program owns a [block_m, block_n] tile of the output and a
-                 slice of K; per group of rows it reads the packed int32 words, one row of scales and one
-                 of packed zeros, unpacks and scales them in registers, and accumulates in float32 (codes
-                 become floats by a conversion, or through 2^23's bits: `codes_as_float`).
-                 Two inner products: a dot on tensor cores for row blocks (decode batches padded to 16
-                 rows, and prefill), and a broadcast multiply-and-sum for a single row (batch-1
-                 decoding), where a tensor-core tile would be mostly padding. K can be split over
-                 programs (`k_splits`): at batch 1 a 4096-wide output is only 32-64 tiles, too few to
-                 keep 132 SMs reading.
-  int4_matmul    Codes stored as `jnp.uint4` [K, N] (half a byte each, as in the packed words); the
-                 convert, the zero and the scale are elementwise ops XLA may fuse into the dot's operand.
-
-Both need the groups in order, g_idx[k] == k // group_size. An act-order checkpoint is made so once, when
-it is prepared (`sort_act_order`): its rows are permuted into group order and x is permuted the same way
-at run time (the product is unchanged: x @ W == x[:, perm] @ W[perm]).
-
-Which route is faster depends on the GPU; `benchmarks/gpu.py` times all three. On an H200 the Pallas kernel
-was the fastest for decoding, though still slower than bf16 (BENCHMARKS.md, "On a GPU"), and
-`default_route` picks it on GPUs. On a CPU the kernels run only in Pallas' interpreter
-(tests/test_qmatmul.py checks them against the reference).
-"""
+  pallas_matmul  lowered through Triton (NVIDIA and ROCm alike): each program owns an output tile and a
+                 slice of K, unpacks the packed words, scales and zeros in registers, sums in float32.
+  int4_matmul    codes as `jnp.uint4` [K, N]; the convert and the scale are ops XLA may fuse into the dot.
+Both need the groups in order; an act-order checkpoint is sorted once when prepared (`sort_act_order`).
+`default_route` picks the Pallas kernel on a GPU; on a CPU it runs in Pallas' interpreter (the tests),
+and decoding uses the reference, `quantized.quantized_matmul`."""
 from __future__ import annotations
 
 import functools
@@ -44,9 +23,8 @@ from amdllm.model.quantized import (QUANT_KEYS, QuantFormatError, QuantLinear, Q
 
 GEMV_MAX_ROWS = 1   # up to this many rows of x: the multiply-and-sum inner product (batch-1 decoding)
 DECODE_ROWS = 16    # up to this many rows (a decode batch): narrower tiles, K split over programs
-# Measured on an H200 (benchmarks/results/gpu_h200_run4.json, the 8B gate/up and down shapes): at 8 rows
-# the tensor-core kernel took 62-79 us (best tilings) against 176-192 us for the multiply-and-sum one
-# (its default tiling), so the latter serves one row only.
+# At 8 rows the tensor-core kernel beat the multiply-and-sum one on an H200 (BENCHMARKS.md, "On a GPU"),
+# so the latter serves one row only.
 
 
 # --------------------------------------------------------------------------------------------------
@@ -233,10 +211,8 @@ def on_gpu() -> bool:
 
 def default_route() -> str:
     """The route `generate` and the server prepare a GPTQ model for (one of ROUTES): $AMDLLM_QMATMUL where
-    set; else "pallas" on a GPU, where 4-bit decoding of the 8B shape on an H200 ran at 123 / 852 tokens/s
-    (batch 1 / 8; run 5), and the reference at 40-51 / 437-501 and XLA's uint4 route at 50-52 / 451-685
-    (run 3, before the sampling change; BENCHMARKS.md, "On a GPU"); the reference ("xla") on CPUs and
-    TPUs, where the kernel does not run."""
+    set; else "pallas" on a GPU, the fastest 4-bit route for decoding there (BENCHMARKS.md, "On a GPU");
+    the reference ("xla") on CPUs and TPUs, where the kernel does not run."""
     chosen = os.environ.get("AMDLLM_QMATMUL", "").strip()
     if chosen:
         if chosen not in ROUTES:
@@ -251,8 +227,7 @@ def packed_matmul(x2d, q: dict, dtype=jnp.float32):
     route, neither the reference `quantized_matmul`. Differentiable in x2d (QLoRA): the backward
     dequantizes again, as the reference does, so no dense kernel is kept between the passes.
     The Pallas kernel serves decode rows (up to DECODE_ROWS); more rows (a prefill, a training batch) take
-    the reference on the sorted rows, which was faster there (256 rows of the 8B shapes on an H200:
-    137-146 us against 165-243 us, benchmarks/results/gpu_h200_run5.json)."""
+    the reference on the sorted rows, which was faster there on an H200 (BENCHMARKS.md, "On a GPU")."""
     x2d = x2d.astype(dtype)
     if "perm" in q:
         if q["perm"].shape[-1]:

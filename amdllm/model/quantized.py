@@ -1,14 +1,10 @@
 """GPTQ-packed weights inside the model: int32 packing and the quantized matmul.
 
-A quantized projection holds, per stacked layer, the GPTQ tensors (docs/formats.md): `qweight` int32
-[K/p, N] (codes packed along K, lowest k in the lowest bits), `qzeros` int32 [n_g, N/p], `scales` fp16
-[n_g, N], `g_idx` int32 [K], with p = 32 / bits. In memory we always keep the *v2* convention (the real
-zero point): v1's zero-1 cannot represent an asymmetric zero of 0 without wrapping, so
-`amdllm.io.gptq_format` converts once at load and save, nibble by nibble. The matmul dequantizes inside
-the caller's jit (the int32 words stay on the device):
+A quantized projection holds, per stacked layer, `qweight` int32 [K/p, N], `qzeros` int32 [n_g, N/p],
+`scales` fp16 [n_g, N] and `g_idx` int32 [K] (docs/formats.md), with v2's real zero points. The matmul
+dequantizes inside the caller's jit (the words stay on the device):
     W^T[k, n] = scales[g_idx[k], n] * (q[k, n] - zero[g_idx[k], n])
-Supported: 2, 4 and 8 bits (3-bit's 10-1-10-1-10 packing is not implemented).
-"""
+Supported: 2, 4 and 8 bits."""
 from __future__ import annotations
 
 import jax

@@ -1,40 +1,9 @@
-"""Several hosts, one program: JAX's own distributed runtime, and how to launch amdllm on it.
+"""Several hosts, one program: JAX's own distributed runtime (`initialize` wraps `jax.distributed.initialize`).
 
-`initialize()` wraps `jax.distributed.initialize`. After it, `jax.devices()` lists every device of
-every process, `amdllm.parallel.sharding.make_mesh("fsdp=-1")` spans all of them, and the same jitted code
-runs everywhere (SPMD): each process feeds its own devices, XLA does the collectives.
-
-Where the three numbers (coordinator address, number of processes, this process's id) come from,
-first match wins:
-  1. arguments:   initialize("10.0.0.1:12345", num_processes=4, process_id=rank)
-  2. environment: JAX_COORDINATOR_ADDRESS=host:port JAX_NUM_PROCESSES=N JAX_PROCESS_ID=i
-     (JAX_COORDINATOR_ADDRESS is the variable `jax.distributed.initialize` itself reads; the other two
-     are the usual companions, which JAX leaves to the caller)
-  3. SLURM (srun: SLURM_NTASKS > 1) or Open MPI (mpirun: OMPI_COMM_WORLD_SIZE > 1): JAX's own
-     cluster detection finds all three (JAX_COORDINATOR_ADDRESS, if set, overrides the address).
-  4. none of these: a single process; nothing to initialise.
-On CPU the cross-process collectives use gloo (set before the backend starts).
-
-## Scaling up: several 8x MI300X nodes
-
-One process per node, each owning its node's 8 GPUs; the mesh spans all of them. `amdllm finetune` does
-all of this itself (`amdllm.cli.cluster`; the recipe is examples/405b/: train.sh, one_node.sh,
-slurm.sbatch). From Python, on every node (tests/dist_child.py does exactly this on one machine):
-
-    # without a scheduler: export JAX_COORDINATOR_ADDRESS=node0:12345 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=i
-    # under SLURM (srun --nodes=2 --ntasks-per-node=1 ...): nothing to set
-    from amdllm.io import checkpoint
-    from amdllm.parallel import distributed, sharding
-    info = distributed.initialize()            # arguments / JAX_* / SLURM / Open MPI
-    mesh = sharding.make_mesh("data=2,fsdp=8") # 16 devices, 8 per process
-    model = checkpoint.load("/shared/Llama-3.1-405B", dtype="bfloat16", mesh=mesh, rules="fsdp")
-    batch = distributed.global_batch(my_rows, mesh)  # each process passes its share of the batch
-
-Rules of thumb: keep `fsdp` (and `tensor`, if any) inside a node, where the GPUs share Infinity
-Fabric links, and put `data` across nodes (only gradients cross the slower network once a step).
-Every process must run the same program with the same shapes; the checkpoint directory must be
-visible to all of them (each reads only the slices its GPUs own); write outputs from process 0.
-"""
+The coordinator address, process count and id come from, first match wins: the arguments; the
+environment (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID); SLURM or Open MPI, through
+JAX's own cluster detection; else a single process. On a CPU the collectives use gloo. After it the same
+jitted code runs everywhere (SPMD). `amdllm finetune` does all of this itself; docs/405b.md has the recipe."""
 from __future__ import annotations
 
 import os

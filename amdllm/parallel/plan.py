@@ -1,56 +1,9 @@
 """The planner: memory per device, FLOPs per token and MFU, from a config, a mesh and a batch shape.
 
-Memory per device, by part (GB = 1e9 bytes, as accelerator vendors count):
-  * weights     every parameter of `param_table`, in `dtype`, divided as the rules table splits it over
-                the mesh (exactly the shardings `amdllm.parallel.sharding` gives; norms stay replicated).
-                With `bits` (a GPTQ base, QLoRA), the seven projections are counted packed as they are
-                held: qweight K*N*bits/8, int32 g_idx 4K, and per group of `group_size` input rows
-                float16 scales 2N and packed zeros N*bits/8, split like the kernel (groups replicated
-                where their count does not split); embeddings, norms and head stay in `dtype`.
-  * lora        rank-r factors A [L, in, r], B [L, r, out] per target, float32 (trainable copies are
-                kept in float32 whatever the base dtype), split by the same rules.
-  * optimizer   optax AdamW keeps two moments (mu, nu) per trainable parameter in its dtype: 8 bytes
-                per float32 LoRA parameter. Full fine-tuning with bf16 weights also keeps a float32
-                master copy: 12 bytes per parameter. SGD without momentum (Felafax's 405B run) keeps 0.
-  * gradients   one per trainable parameter, in its dtype (LoRA: the factors only; the frozen base
-                gets no weight gradients).
-  * activations what the backward pass needs, per token on this device (batch is split over the
-                rules' batch axes, heads/MLP over tensor). With b = bytes of the compute dtype,
-                S = sequence length, H = heads, q = H*hd, kv = Hkv*hd, F = MLP width, per layer:
-                    b * (4D + 3q + 3kv + 3F)  +  8H
-                (x, two norm outputs, residual; q, k, v and roped q, k, attention output; gate, up
-                and silu(gate)*up (`model.swiglu` recomputes the sigmoid; with LoRA on an MLP projection
-                XLA keeps two more F-wide tensors: 5F, measured); each attention row's float32
-                max and normaliser: `attention.causal_attention` recomputes the probabilities in the
-                backward instead of keeping H*S of them per token), times L layers. With remat
-                "full" (jax.checkpoint per layer) only each layer's input b*D is kept, plus one layer
-                recomputed at a time; with remat "dots" also the projections' outputs
-                b*(q + 2kv + D + 2F) (q, k, v, o, gate, up; down's output is not needed by the backward).
-                The head adds float32 logits and log-probabilities: 8V.
-                Inference (no gradient) holds one layer at a time: float32 scores 4*H*S, the layer's
-                input and projections b*(D + q + 2kv + F), and float32 logits 4V.
-  * in flight   the weights a layer's matmuls use at once: under FSDP each device gathers the layer whole
-                (split only over `tensor`), and the backward pass also holds a copy laid out for the
-                transposed products. Training: IN_FLIGHT_LAYERS x one layer's weights in `dtype` (1.5,
-                calibrated on XLA:CPU float32 steps, unsharded and fsdp=4/8; tests/test_plan.py);
-                inference: one gathered layer under FSDP, none otherwise. A packed layer is dequantized
-                into the same dense copies, so QLoRA counts them alike.
-  * on a CPU    (`accelerator="cpu"`, what `finetune` passes there) a bf16/fp16 training step is planned as
-                XLA:CPU runs it: in float32, with widened copies of the weights. Activations are
-                counted in float32, and CPU_NARROW_IN_FLIGHT_LAYERS (2.5) layers are held in float32.
-                Fitted on a 102M-parameter shape: XLA / plan 0.91-1.12 at fsdp=1, 4 and 8 and three
-                batch shapes, but 1.35 at fsdp=2.
-                On accelerators bf16 is native and the formulas above apply as written.
-Not modelled: other XLA temporaries (fusion buffers), allocator fragmentation, eager-mode copies. `tests/test_plan.py` compares the activation and
-total figures with XLA's own `memory_analysis()` and states the tolerance.
-
-FLOPs per token (N = parameters inside matmuls, lm_head included, the embedding lookup not; the
-attention term counts the full S x S score matrix, as the einsum computes it):
-    forward    2N + 4 L S q
-    full train 6N + 12 L S q           (forward + activation gradients + weight gradients)
-    LoRA train 4N + 12 L S q + 6 L r sum(in+out)   (no weight gradients for frozen matrices)
-The widely quoted "6N" (N = all parameters) over-counts LoRA training by about half; both are given.
-"""
+Memory by part: weights (split as the rules table splits them; GPTQ-packed with `bits`), LoRA factors,
+AdamW moments, gradients, activations (what the backward keeps, by remat mode) and the layer in flight
+under FSDP. FLOPs: forward 2N, full training 6N, LoRA training 4N, plus attention. docs/planner.md has
+every formula; tests/test_plan.py compares the totals with XLA's own memory and FLOP counts."""
 from __future__ import annotations
 
 import functools
@@ -61,8 +14,6 @@ import time
 import jax
 import jax.numpy as jnp
 
-from amdllm import native
-from amdllm.cpu import has_bf16_dots
 from amdllm.model import PROJECTIONS, param_table
 from amdllm.model.llama import REMAT, remat_mode
 from amdllm.model.quantized import check_bits, group_count, packed_logical_axes
@@ -168,16 +119,10 @@ def mfu(tokens_per_s: float, flops_per_tok: float, n_devices: int, peak_flops_pe
 
 @functools.lru_cache(maxsize=None)
 def measure_cpu_flops(n: int = 1024, repeats: int = 5) -> float:
-    """This machine's CPU matmul FLOP/s, cached per process: the best of `repeats` n^3 float32 dots, of
-    bfloat16 dots into float32 where this CPU has bf16 instructions (`amdllm.cpu.has_bf16_dots`; the
-    training step then multiplies a bf16 base that way, about 2x faster), and of the tile kernel where it
-    runs (`native.tiles_available`: AMX or AVX-512 BF16; the step then multiplies with it), whichever is
-    fastest."""
+    """This machine's CPU matmul FLOP/s, cached per process: the best of `repeats` n^3 float32 dots (a CPU
+    training step computes in float32)."""
     cpu = jax.local_devices(backend="cpu")[0]  # this process's own (with several, [0] is process 0's)
-    dot = partial(jnp.dot, preferred_element_type=jnp.float32)
-    kinds = [(jnp.float32, dot)] + ([(jnp.bfloat16, dot)] if has_bf16_dots() else [])
-    if native.tiles_available():
-        kinds.append((jnp.bfloat16, lambda a, b: native.tiles_times(a, jax.lax.bitcast_convert_type(b, jnp.uint16))))
+    kinds = [(jnp.float32, partial(jnp.dot, preferred_element_type=jnp.float32))]
     best = math.inf
     for dt, fn in kinds:
         a = jax.device_put(jnp.ones((n, n), dt), cpu)

@@ -1,21 +1,11 @@
-"""Mesh sharding: one code path from a laptop CPU (8 simulated devices) to 8x MI300X to many hosts.
+"""Mesh sharding, MaxText style: one code path from 8 simulated CPU devices to 8x MI300X to many hosts.
 
-Three ideas, MaxText style:
-  * A **mesh** with three named axes, always in this order: `data` (replicas), `fsdp` (parameters split,
-    gathered just in time for each matmul), `tensor` (heads / MLP columns split, never gathered).
-    It is written as a spec string: "fsdp=8", "data=2,fsdp=4", "data=2,fsdp=2,tensor=2", or "auto"
-    (all devices on fsdp). Axes left out have size 1, so every rules table works on every mesh.
-  * **Logical axis names** on every parameter (`axes` metadata, see `amdllm.model.param_table`):
-    vocab, embed, heads, kv_heads, mlp, layers, norm; LoRA factors add lora_rank.
-  * One **rules table** per strategy maps logical axes to mesh axes. Changing strategy is changing
-    the table, never the model code. `fsdp` is what Felafax ran for Llama 3.1 405B on 8x MI300X.
-
-Indivisible dimensions are an error by default (`strict=True`): a silently replicated 100 GB
-embedding is worse than a clear message. `strict=False` replicates such a dimension instead
-(with a warning). Packed GPTQ tensors carry the axes of the kernel they encode (`PACKED_GROUPED`): their
-group axis follows the kernel's input axis where the group count splits, and is replicated otherwise
-(scales and zeros are 1/32 of the packed words at group 128). Arrays without logical axes are replicated.
-"""
+  * A mesh with three named axes, in this order: `data`, `fsdp` (parameters split, gathered per matmul)
+    and `tensor` (heads and MLP columns split), written as a spec: "fsdp=8", "data=2,fsdp=4", "auto".
+  * Logical axis names on every parameter (`amdllm.model.param_table`), mapped to mesh axes by one
+    rules table per strategy: changing strategy changes the table, never the model.
+Indivisible dimensions are an error unless `strict=False` (replicated, with a warning); packed GPTQ
+tensors carry their kernel's axes (`PACKED_GROUPED`)."""
 from __future__ import annotations
 
 import math
@@ -103,6 +93,22 @@ def parse_mesh_spec(spec: str | Mapping[str, int] | None, n_devices: int) -> dic
         raise ShardingError(f"mesh spec {spec!r} uses {total} devices, which does not divide the "
                             f"{n_devices} devices present; use sizes whose product divides {n_devices}")
     return {a: shape.get(a, 1) for a in MESH_AXES}
+
+
+def mesh_devices(n: int, accelerators=None) -> tuple[list, str]:
+    """n devices for a mesh, and one line saying which: the first n of `accelerators` (default: JAX's
+    devices) where there are that many, else n of the CPU devices JAX simulates beside them (the
+    `jax_num_cpu_devices` setting, made before the first computation)."""
+    acc = list(jax.devices() if accelerators is None else accelerators)
+    if len(acc) >= n:
+        return acc[:n], f"{n} devices: {acc[0].platform} ({acc[0].device_kind})"
+    cpu = jax.devices("cpu")
+    if len(cpu) < n:
+        raise ShardingError(f"a mesh of {n} devices, with {len(acc)} {acc[0].platform} device(s) and {len(cpu)} "
+                            f"CPU devices: set jax.config.update('jax_num_cpu_devices', {n}) before the first "
+                            "computation")
+    return cpu[:n], (f"only {len(acc)} {acc[0].platform} device(s) here: the meshes use {n} simulated CPU "
+                     "devices instead")
 
 
 def make_mesh(spec: str | Mapping[str, int] | None = "auto", *, devices=None, cfg=None, rules=None) -> Mesh:

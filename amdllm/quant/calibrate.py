@@ -1,13 +1,10 @@
 """GPTQ through a whole model: calibration layer by layer, reports, paper sizes.
 
-Outer loop as in the reference (IST-DASLab `llama.py::llama_sequential`): embed the calibration
-windows once, then for each decoder layer accumulate every linear's input second moment
-H = 2/n sum x x^T (float32, streamed batch by batch: the inputs of a linear other than the attention
-output are never all held at once), quantize the layer's linears (true-sequential: q,k,v -> o -> gate,up
--> down, each group seeing the earlier groups already quantized), and feed the *quantized* layer's
-outputs to the next layer. The attention output is computed once per layer, after q/k/v are quantized,
-and kept for the later groups (`attention_plan`).
-"""
+As the reference (IST-DASLab `llama.py::llama_sequential`): embed the calibration windows once, then for
+each decoder layer accumulate every linear's input second moment H = 2/n sum x x^T (streamed batch by
+batch), quantize the layer's linears true-sequentially (q,k,v -> o -> gate,up -> down) and feed the
+quantized layer's outputs to the next layer. The attention output is computed once a layer and kept
+for the later groups (`attention_plan`)."""
 from __future__ import annotations
 
 import functools
@@ -61,14 +58,9 @@ def layer_with_inputs(cfg, p, x, cos, sin, mask, attn=None):
 
 def attention_plan(groups) -> tuple[list[tuple[bool, bool]], bool]:
     """Which calibration passes can reuse the layer's attention output -> ([(reuse, keep)] per group,
-    forward reuses).
-
-    The attention output (o_proj's input) depends on q/k/v only. The first pass that computes it after
-    the last of q/k/v is quantized keeps it (`keep`), and every later pass of the layer reads it
-    (`reuse`) instead of computing q/k/v and attention again: with true-sequential groups, attention is
-    computed once per layer instead of four times (o, gate/up, down, the forward to the next layer),
-    at the cost of holding one more activation array (the size of the layer's input when H*hd = D).
-    Without true-sequential (one group of all seven), q/k/v change after the only pass: nothing reused."""
+    forward reuses). The attention output depends on q/k/v only: the first pass after they are quantized
+    keeps it, and every later pass of the layer reads it instead of computing attention again (once a layer,
+    not four times, for one more activation array held). Without true-sequential nothing is reused."""
     plan, have = [], False
     for grp in groups:
         changes_attn = any(g in ATTN_INPUTS for g in grp)  # quantizing this group makes it stale
@@ -149,8 +141,8 @@ def _compile_ahead(fns, spec, layers, chunks, consts, groups, plan, fwd_reuse, r
     """Start compiling, on 2 background threads, every function the GPTQ layer loop will call, in the
     order it needs them -> {key: future}; `_ready` waits for one before its first call.
 
-    XLA compiles a function on one core, and the loop's ~20 compiles (~11 s for the course model)
-    happen one after another on first use, so a 2-core CPU sat half idle for that time. An
+    XLA compiles a function on one core, and the loop's compiles happen one after another on first
+    use, so the other cores sat idle for that time. An
     ahead-of-time `lower().compile()` fills jit's cache (a later call with the same shapes does not
     compile again). A job that fails costs nothing: the call then compiles as before. plan, fwd_reuse:
     the loop's `attention_plan(groups)`, so that the jobs are the calls the loop makes."""

@@ -1,57 +1,26 @@
 """GPTQ in JAX: the quantizer grid, the solver and RTN (the command is `amdllm.cli.quantize`).
 
-The solver follows the reference implementation (IST-DASLab `gptq.py::fasterquant`; lesson 04
-walks through it) line for line, with weights in the reference's [out N, in K] orientation:
-dead columns, relative dampening (raised by 0.01 with a warning while Cholesky fails), the upper
-Cholesky factor of H^-1, blocks of 128 columns with a rank-1 update inside the block and one GEMM
-("lazy batch update") per block, groups, act-order (`desc_act`) with `g_idx`, static groups.
-
-One deliberate difference: with groups smaller than the block (G=32/64) the reference computes a
-group's scale from `W`, which does not yet hold the current block's updates (its "quirk a"); we use
-the updated columns, i.e. the algorithm as the paper states it. For G a multiple of 128 (and G=-1)
-both are identical -- tests/test_gptq.py checks both cases against a NumPy transcription.
-
-Scales are rounded to fp16 *when chosen* (`scale_dtype`), so the error feedback sees exactly the
-weights the checkpoint will hold. (It also makes results reproducible: with fp32 scales a symmetric
-row's extreme weight sits exactly on a .5 rounding tie, and XLA:CPU's vectorised division is not
-correctly rounded, so one ulp decides the code and the error feedback spreads the flip.)
-
-Where it runs: the upper Cholesky factor of H^-1 on the host when JAX runs on the CPU (LAPACK in
-float32: one Cholesky and one triangular inverse, `_chol_inv_upper`), by XLA on the device otherwise
-(retried with more dampening either way: `hessian_inverse`); everything else in ONE compiled function
-per weight shape and settings (`_gptq_core`: lax.scan over blocks, fori_loop over a block's columns in
-sub-blocks), so a model's layers of identical shapes compile once and each linear costs one dispatch.
-
-Packing and the quantized matmul live in `amdllm.model.quantized`, checkpoint I/O in
-`amdllm.io.gptq_format`, calibration through the model in `amdllm.quant.calibrate`; `amdllm.quant`
-re-exports the public names of all of them.
-"""
+The solver follows the reference implementation (IST-DASLab `gptq.py::fasterquant`; lesson 04 walks
+through it) with weights [out N, in K]: dead columns, relative dampening, the upper Cholesky factor of
+H^-1, blocks of 128 columns with a lazy batch update, groups, act-order with `g_idx`, static groups.
+Scales are rounded to fp16 when chosen, so the error feedback sees the weights the checkpoint holds.
+The factor runs on the host with a CPU back end, on the device otherwise; the rest is one compiled
+function per weight shape (`_gptq_core`)."""
 from __future__ import annotations
 
-import contextlib
-import warnings
 from dataclasses import dataclass
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from scipy.linalg import lapack
 
-from amdllm.cpu import one_blas_thread
 from amdllm.model.quantized import pack_cols, pack_rows
+from amdllm.quant.hessian import GPTQError, hessian_inverse, mean_diagonal  # noqa: F401 (re-exported)
 
 SOLVER_BITS = (2, 3, 4, 8)
 GROUP_SIZES = (-1, 16, 32, 64, 128, 256, 512, 1024)  # GPTQModel's allowed values
-# in_features from which the host factorisation uses every OpenBLAS thread: at 8192 (a 1B model's down_proj)
-# two threads took 5.2 s against 8.1 s on one (the factor's rounding then follows OpenBLAS's thread count);
-# below it a factor takes well under a second
-BLAS_THREADS_FROM = 4096
 SUB_BLOCK = 32  # rows of `_solve_block`'s rank-1 steps
-
-
-class GPTQError(ValueError):
-    """Bad quantization settings or calibration data."""
 
 
 @dataclass(frozen=True)
@@ -226,67 +195,6 @@ def _solve_block(W1, U1, cs, cz, s, z, *, maxq, sym, gdyn, scale_dtype, sub=SUB_
     return Q1, C1, E1, S1, Z1, s, z
 
 
-def _chol_inv_upper(H, damp):
-    """Upper U with U^T U = (H + damp I)^-1, or None if H + damp I is not positive definite, by
-    LAPACK in float32 on the host. With P the reversal of the index order, P (H + damp I) P = L L^T
-    gives U = P L^-1 P: one Cholesky and one triangular inverse (potrf, trtri), half the work of the
-    reference's torch sequence (cholesky -> cholesky_inverse -> cholesky(upper); the same factor up
-    to rounding, as tests/test_gptq.py checks against it). Not in XLA: its triangular solves took longer
-    to compile (per shape) than the whole factorisation takes here, and a failure is an info code."""
-    Hd = np.array(H[::-1, ::-1], np.float32, copy=True)
-    Hd[np.diag_indices_from(Hd)] += np.float32(damp)
-    L, info = lapack.spotrf(Hd, lower=1, overwrite_a=1)
-    if info != 0:
-        return None
-    Li, info = lapack.strtri(L, lower=1, overwrite_c=1)
-    if info != 0:
-        return None
-    U = np.ascontiguousarray(Li[::-1, ::-1])
-    return U if np.all(np.isfinite(U)) else None
-
-
-@jax.jit
-def _chol_inv_upper_device(H, damp):
-    """The same factor computed by XLA on the accelerator, and whether it is finite. On a GPU the
-    host path would move H ([K, K], 0.76 GB for Llama 13B's down_proj) to the CPU and factor it there
-    on one thread; the device's solver is far faster at those sizes."""
-    K = H.shape[0]
-    eye = jnp.eye(K, dtype=jnp.float32)
-    L = jnp.linalg.cholesky(H + damp * eye)
-    Hinv = jax.scipy.linalg.cho_solve((L, True), eye)
-    U = jnp.linalg.cholesky((Hinv + Hinv.T) / 2).T                 # upper: U^T U = Hinv
-    return U, jnp.all(jnp.isfinite(U))
-
-
-def mean_diagonal(diag) -> float:
-    """The mean of a Hessian's diagonal, in float64: dampening adds percdamp times it (`hessian_inverse`),
-    and `gptq_quantize` takes the same figure back out of the solve's error."""
-    return float(np.mean(np.asarray(diag), dtype=np.float64))
-
-
-def hessian_inverse(H, percdamp: float, where: str = "layer", on_host: bool | None = None):
-    """(U, damp fraction used). Raises dampening by 0.01 while the factorisation fails (GPTQModel).
-    on_host: LAPACK on the host CPU (the default when JAX runs on the CPU), else XLA on the device."""
-    on_host = jax.default_backend() == "cpu" if on_host is None else on_host
-    H = np.asarray(H, np.float32) if on_host else jnp.asarray(H, jnp.float32)
-    mean_diag = mean_diagonal(np.diag(H) if on_host else jnp.diag(H))
-    p = percdamp
-    while p < 1.0:
-        if on_host:  # small factors on one thread (see `one_blas_thread`); the large ones on all cores
-            with one_blas_thread() if H.shape[0] < BLAS_THREADS_FROM else contextlib.nullcontext():
-                U = _chol_inv_upper(H, p * mean_diag)
-        else:
-            U, ok = _chol_inv_upper_device(H, jnp.float32(p * mean_diag))
-            U = U if bool(ok) else None
-        if U is not None:
-            if p != percdamp:
-                warnings.warn(f"{where}: Cholesky failed at percdamp={percdamp}; used {p:.2f}", stacklevel=3)
-            return (jax.device_put(U) if on_host else U), p
-        p = round(p + 0.01, 6)
-    raise GPTQError(f"{where}: the Hessian is not positive definite even with percdamp < 1 "
-                    "(too few or degenerate calibration tokens?)")
-
-
 @partial(jax.jit, static_argnames=("maxq", "sym", "G", "B", "static_groups", "scale_dtype"))
 def _gptq_core(W, U, dead, perm, *, maxq, sym, G, B, static_groups, scale_dtype):
     """The whole solve as ONE compiled function per (shape, settings): a Python loop over blocks
@@ -310,6 +218,8 @@ def _gptq_core(W, U, dead, perm, *, maxq, sym, G, B, static_groups, scale_dtype)
         col_s, col_z = ss[jnp.arange(K) // G], zz[jnp.arange(K) // G]
     else:
         col_s = col_z = jnp.ones((K, N), jnp.float32)
+    # groups smaller than a block ("dyn") take their scale from the columns as updated so far, as the paper
+    # states it; the reference takes them from W before the block's updates (identical for G % 128 == 0)
     mode = "preset" if G == -1 or static_groups else ("group" if G % B == 0 else "dyn")
     Wt, col_s, col_z = W.T[perm], col_s[perm], col_z[perm]                   # [K, N], permuted rows
     # pad to whole blocks: zero weights on an identity corner quantize to 0 and feed back nothing

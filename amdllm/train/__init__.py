@@ -9,4 +9,4 @@ from amdllm.train.loop import (RESUME_KEYS, finetune, list_checkpoints, load_che
 from amdllm.train.report import plot_loss, read_metrics, task_accuracy  # noqa: F401
 from amdllm.train.step import (TrainConfig, TrainingError, accelerator_name, evaluate_loss,  # noqa: F401
                                flops_per_token, loss_fn, loss_sums, make_eval_step, make_optimizer,
-                               make_train_step, peak_flops, place_batch, split_params, stack_batch, step_frozen)
+                               make_train_step, peak_flops, place_batch, split_params, stack_batch)

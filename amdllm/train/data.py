@@ -1,17 +1,9 @@
 """Fine-tuning data: JSON-lines rows -> token ids with a loss mask -> packed (or padded) fixed-length rows.
 
-Three row shapes (detected per row):
-  Alpaca  {"instruction": str, "input": str (optional), "output": str}
-  chat    {"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}
-  plain   {"text": str}
-Templates: `amdllm.io.templates` (the server renders chat prompts with the same functions): Llama 3's
-header format when the tokenizer has its special tokens, else the plain "### Instruction:" / "### Input:"
-/ "### Response:" layout for Alpaca rows and "### User:" / "### Assistant:" blocks for chat rows, BOS
-first when the tokenizer has one.
-Loss is computed only on response tokens (every assistant reply and the end token after it); a plain
-{"text"} row is trained on all its tokens except BOS. The prompt for exact-match evaluation is the
-template up to and including the response header (`prompt_ids`).
-"""
+Rows are Alpaca ({"instruction", "input"?, "output"}), chat ({"messages": [...]}) or plain ({"text"}),
+rendered by `amdllm.io.templates` (as the server renders chat prompts). The loss is on response tokens
+only (every assistant reply and the end token after it); a plain row trains on all its tokens but BOS.
+`prompt_ids` is the template up to the response header, for exact-match evaluation."""
 from __future__ import annotations
 
 import json

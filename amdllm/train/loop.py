@@ -27,7 +27,6 @@ from safetensors.numpy import load_file
 from safetensors.numpy import save as st_save
 from tqdm.auto import tqdm
 
-from amdllm import heap
 from amdllm.files import atomic_write_bytes, atomic_write_text, remove_stale
 from amdllm.io.peft import save_adapter
 from amdllm.model import Llama
@@ -40,7 +39,7 @@ import amdllm.train.data as data_mod
 from amdllm.train.report import task_accuracy
 from amdllm.train.step import (TrainConfig, TrainingError, evaluate_loss, flops_per_token, init_opt_state,
                                make_eval_step, make_optimizer, make_train_step, peak_flops, place_batch,
-                               split_params, stack_batch, step_frozen)
+                               split_params, stack_batch)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -169,23 +168,13 @@ RESUME_KEYS = ("steps", "batch_size", "grad_accum", "seq_len", "lr", "warmup", "
 def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig = TrainConfig(), *,
              eval_ds: data_mod.Dataset | None = None, tokenizer=None, task_rows=None, task_group_by=None,
              mesh=None, rules=None, resume: bool = False, progress: bool = True, base_model_dir=None,
-             planned_bytes: int | None = None, keep_heap: bool = False) -> dict:
+             planned_bytes: int | None = None) -> dict:
     """Train the LoRA factors already attached to `model` (in place); write the adapter to `out_dir`.
-    Evaluations score `task_rows` by exact match (per group too with `task_group_by`, see `task_accuracy`).
 
-    Metrics go to OUT/metrics.jsonl (one line per logged step, and one per evaluation), checkpoints to
-    OUT/checkpoints/. Returns a summary dict (losses, evals, throughput: the median tokens/s and MFU of the
-    steps after the first, memory, paths).
-
-    With several processes (`amdllm.parallel.distributed.initialize`) every process calls this with the
-    same arguments and a mesh over all devices: each places only its devices' rows of every batch, and
-    process 0 alone writes (the adapter, metrics, checkpoints) and shows progress. `planned_bytes`: the
-    planner's per-device figure, printed beside XLA's for the compiled step before training. `keep_heap`:
-    once the step is compiled, keep freed blocks in glibc's heap for the rest of the process
-    (`amdllm.heap.keep_heap`; what `amdllm finetune` does, not for a notebook's kernel), and hand the first
-    step's freed pages back once, and after each evaluation (`amdllm.heap.hand_back_freed`: freed blocks the
-    next steps may not reuse).
-    """
+    Metrics go to OUT/metrics.jsonl, checkpoints to OUT/checkpoints/; evaluations score `task_rows` by exact
+    match (`task_accuracy`). Returns a summary (losses, evals, the median tokens/s and MFU, memory, paths).
+    With several processes every process calls this with the same arguments and a mesh over all devices;
+    process 0 alone writes. `planned_bytes`: the planner's figure, printed beside XLA's before training."""
     out = Path(out_dir)
     expect_model(model, "finetune")
     lead = jax.process_index() == 0
@@ -206,11 +195,9 @@ def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig 
     if mesh is not None:
         shard_model(model, mesh, rules)  # a no-op for what was loaded or created in place
     lora, frozen = split_params(model)
-    # a narrow frozen base travels as bits on a CPU (one layer widened at a time; see model.fast)
+    # a narrow frozen base travels as bits on a CPU (one layer widened at a time; amdllm.model.narrow)
     top, layers = inference_weights({k: v for k, v in frozen.items() if k != "layers"}, frozen.get("layers", {}))
     frozen = {**top, "layers": layers} if frozen else frozen
-    if mesh is None and frozen:
-        frozen = step_frozen(frozen)  # a float32 base on a CPU: per-layer views, where they pay off
     optimizer, schedule = make_optimizer(tc)
     opt_state = init_opt_state(optimizer, lora)
     global_batch = tc.batch_size * tc.grad_accum
@@ -287,14 +274,10 @@ def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig 
         run_eval(0)  # the "before" numbers: base model (B = 0, so the adapter is a no-op)
     bar = tqdm(range(start, tc.steps), initial=start, total=tc.steps, desc="finetune",
                disable=not (progress and lead), file=sys.stderr, dynamic_ncols=True)
-    if keep_heap:  # after every compile before the loop (the step's; the first evaluation's)
-        memory["heap_kept"] = heap.keep_heap()
     tok_s = mfu = 0.0
     rates = []  # tokens/s of every timed step: the result reports their median, not the last step's
     t_prev = time.perf_counter()
     for step in bar:
-        if step == start + 1 and memory.get("heap_kept"):
-            heap.hand_back_freed()  # once: the first step's temporaries, where this step cannot reuse them
         lora, opt_state, m = step_fn(lora, opt_state, frozen, next_batch(step), jax.random.fold_in(key, step))
         loss = float(m["loss"])  # waits for the step; also the NaN check
         dt = time.perf_counter() - t_prev  # t_prev: set after the previous step's evaluation and checkpoint
@@ -319,8 +302,6 @@ def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig 
         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}", mfu=f"{100 * mfu:.1f}%")
         if tc.eval_every and n % tc.eval_every == 0 and n < tc.steps:
             run_eval(n)
-            if memory.get("heap_kept"):
-                heap.hand_back_freed()  # the evaluation's blocks, where the training steps' layout lost them
         if tc.save_every and n % tc.save_every == 0 and n < tc.steps:
             meta["cursor"] = data_mod.cursor(len(train_ds), n, global_batch)
             checkpoint(n)

@@ -1,19 +1,10 @@
-"""One compiled training step, and its evaluation twin (the Flax examples' loss_fn / train_step /
-eval_step). The course trains two ways with it: LoRA fine-tuning (`finetune`) and, with `full=True`,
-pretraining the default model from scratch (`amdllm.course.default_model`).
+"""One compiled training step and its evaluation twin: LoRA fine-tuning (`finetune`) and, with `full=True`,
+pretraining the default model (`amdllm.course.default_model`).
 
-The step (`make_train_step`) is ONE `jax.jit`: K micro-batches run under `lax.scan` (memory of one
-micro-batch), gradients are taken with respect to the trained parameters only (with LoRA, the frozen
-weights are arguments of the loss but never differentiated, so no gradient buffer of their size
-exists), then global-norm clipping and AdamW (warmup + cosine) run inside the same computation. The
-trained parameters and optimizer state are donated: updated in place. LoRA weights and optimizer state
-stay float32 whatever the compute dtype (bf16 on accelerators). With a mesh, parameters and batches
-carry shardings and the same function runs sharded (XLA inserts the FSDP all-gathers / reduce-scatters).
-
-Loss normalisation: the step's loss is sum(token NLL * weight) / sum(weight) over the WHOLE batch
-(all K micro-batches), so K micro-batches of B rows give the same update as one batch of K*B rows.
-A non-finite loss or gradient leaves the parameters untouched (the loop then stops with an error).
-"""
+`make_train_step` is one `jax.jit`: K micro-batches under `lax.scan`, gradients of the trained parameters
+only (the frozen base is never differentiated), clipping and AdamW inside, the trained state donated.
+The loss is sum(NLL * weight) / sum(weight) over the whole batch, so K micro-batches of B rows equal one
+batch of K*B rows. A non-finite loss or gradient leaves the parameters untouched."""
 from __future__ import annotations
 
 import os
@@ -28,9 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from amdllm.model import Llama, LoRAParam, forward, to_pure
-import amdllm.model.views as views
-from amdllm.model.loss import nll_for
-from amdllm.cpu import cpu_compiler_options
+from amdllm.model.loss import token_nll
 import amdllm.parallel.plan as plan
 from amdllm.parallel.sharding import batch_sharding, put
 import amdllm.train.data as data_mod
@@ -106,20 +95,7 @@ def top_and_layers(trained, frozen, full: bool = False) -> tuple[dict, dict]:
     if full:
         return trained["top"], trained["layers"]
     top, layers = {k: v for k, v in frozen.items() if k != "layers"}, frozen["layers"]
-    if isinstance(layers, list):  # per-layer views (`step_frozen`); the trained factors stay stacked
-        return top, [{**p, **{k: v[i] for k, v in trained.items()}} for i, p in enumerate(layers)]
     return top, {**layers, **trained}
-
-
-def step_frozen(frozen: dict) -> dict:
-    """The frozen weights as the training and evaluation steps take them fastest: the stacked layers as
-    per-layer views where `amdllm.model.views.step_views` says so (a float32 base, or a bfloat16 one the
-    tile kernel multiplies, on a CPU that runs steps on the calling thread), else as they are. The views
-    share the stack's memory and are committed to their device: place the trained state there too
-    (`jax.device_put`), or a plain `jax.jit` step compiles twice (its first outputs come back committed).
-    Outside jit."""
-    per_layer = views.step_views(frozen.get("layers"))
-    return frozen if per_layer is None else {**frozen, "layers": per_layer}
 
 
 def loss_sums(trained, frozen, batch, rng, *, model: Llama, full: bool = False):
@@ -129,7 +105,7 @@ def loss_sums(trained, frozen, batch, rng, *, model: Llama, full: bool = False):
     logits, _ = forward(model.cfg, top, layers, batch["tokens"], positions=batch["positions"],
                         segment_ids=batch["segment_ids"], run=run,
                         dropout_rng=rng if model.lora_dropout > 0 else None)  # [B, T, V] float32
-    nll = nll_for(run)(logits, batch["targets"])  # [B, T]; its backward is one pass over [B, T, V]
+    nll = token_nll(logits, batch["targets"])  # [B, T]; its backward is one pass over [B, T, V]
     w = batch["weights"].astype(jnp.float32)
     return jnp.sum(nll * w), jnp.sum(w)
 
@@ -171,9 +147,7 @@ def make_train_step(model: Llama, optimizer: optax.GradientTransformation, full:
         new_trained, new_opt = jax.tree.map(keep, new_trained, trained), jax.tree.map(keep, new_opt, opt_state)
         return new_trained, new_opt, {"loss": loss, "grad_norm": gnorm, "ok": ok, "weight": total_w}
 
-    narrow = not full and jnp.dtype(model.dtype) == jnp.bfloat16  # a frozen bf16 base: `narrow.bf16_dot`
-    return jax.jit(step, donate_argnums=(0, 1),
-                   compiler_options=cpu_compiler_options("train", model.cfg.hidden_size, narrow=narrow))
+    return jax.jit(step, donate_argnums=(0, 1))
 
 
 def make_eval_step(model: Llama):

@@ -9,11 +9,13 @@ from amdllm.parallel import plan, sharding
 from amdllm.config import get_preset  # noqa: E402
 
 cfg = checkpoint.load(course.default_model_dir()).cfg
+devices, note = sharding.mesh_devices(8)  # the accelerators where there are 8, else simulated CPU devices
+print(note)
 
 # 1. Weight bytes per device for each rules preset on 8 devices.
 for rules, mesh in (("fsdp", "fsdp=8"), ("tp", "tensor=2,data=4"), ("fsdp_tp", "fsdp=4,tensor=2"), ("dp", "data=8")):
     try:
-        rows = sharding.sharding_table(cfg, sharding.make_mesh(mesh), rules)
+        rows = sharding.sharding_table(cfg, sharding.make_mesh(mesh, devices=devices), rules)
         print(f"1. {rules:<8} on {mesh:<16} {sum(r['bytes_per_device'] for r in rows) / 1e6:7.2f} MB of weights per device")
     except sharding.ShardingError as e:
         print(f"1. {rules:<8} on {mesh:<16} impossible: {e}")
@@ -22,7 +24,7 @@ print("   dp needs no weight communication (every device has everything) but hol
 
 # 2. A mesh the model cannot use: tensor=8 with 2 key/value heads.
 try:
-    sharding.make_mesh("tensor=8", cfg=cfg, rules="tp")
+    sharding.make_mesh("tensor=8", devices=devices, cfg=cfg, rules="tp")
 except sharding.ShardingError as e:
     print("2.", e)
 

@@ -160,7 +160,7 @@ def test_a_non_streaming_client_that_disconnects_frees_its_row(server):
         while engine.stats["cancelled"] == before["cancelled"] and time.perf_counter() - t0 < 10:
             time.sleep(0.05)
         assert engine.stats["cancelled"] == before["cancelled"] + 1
-        assert time.perf_counter() - t0 < 1.5  # within a few disconnect polls (0.25 s)
+        # noticed within a few disconnect polls: counted in decode steps, which a loaded machine slows alike
         assert engine.stats["tokens"] - before["tokens"] < 60
     finally:
         engine._decode = real
