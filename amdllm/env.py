@@ -192,9 +192,10 @@ def format_report(r: dict) -> str:
     s = r["system"]
     lines.append(f"system: /dev/kfd={s['dev_kfd']} render nodes={len(s['dev_dri_render'])} "
                  f"/dev/nvidia*={len(s['dev_nvidia'])} /opt/rocm={s['opt_rocm']} rocm-smi={s['rocm_smi']}")
-    b = r.get("amdllm_backend") or {}
-    parts = ", ".join(f"{k.replace('_', ' ')} {'on' if v else 'off'}" for k, v in b.items() if k != "backend")
-    lines.append(f"amdllm backend: {b.get('backend', '?')}" + (f" ({parts})" if parts else ""))
+    if "amdllm_backend" in r:  # what `amdllm doctor` adds (amdllm.backends.describe)
+        b = r["amdllm_backend"]
+        parts = ", ".join(f"{k.replace('_', ' ')} {'on' if v else 'off'}" for k, v in b.items() if k != "backend")
+        lines.append(f"amdllm backend: {b.get('backend', '?')}" + (f" ({parts})" if parts else ""))
     set_env = {k: v for k, v in r["env"].items() if v is not None}
     lines.append("env: " + (", ".join(f"{k}={v}" for k, v in set_env.items()) or "(none of the JAX/ROCm variables set)"))
     lines += [f"WARNING: {m}" for m in r["warnings"]] or ["no warnings"]

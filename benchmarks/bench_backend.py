@@ -3,6 +3,8 @@
 Rows, on a Llama-3.2-1B-shaped checkpoint (random bf16 weights, written by bench_scale.py's writer):
   eval       `amdllm eval --json` (--dtype auto), ~1,150 tokens of the held-out course text
   generate   `amdllm generate --json`, 64 new tokens (--dtype auto: bf16 with the row kernel, else float32)
+  generate_float32   the same with --dtype float32 (the per-layer views alone, without the row kernel)
+  generate_small     the same, 128 tokens, on the course's default model (XLA:CPU's options for a small model)
   finetune   `amdllm finetune --json`, 4 steps of 1 x 256, rank 8 (--dtype auto)
   serve      `amdllm serve` (--dtype auto): start, warm chat requests of 1 and 33 tokens (bench_scale.serve_once)
   course     `python -m amdllm.course.notebooks run` of the six lessons on the default model
@@ -24,7 +26,7 @@ from bench_scale import (EVAL_CHARS, LLAMA32_1B, PROMPT, REPO, amdllm, last_json
                          write_checkpoint)
 from common import table, write_json  # noqa: E402
 
-ROWS = ("eval", "generate", "finetune", "serve", "course")
+ROWS = ("eval", "generate", "generate_float32", "generate_small", "finetune", "serve", "course")
 SIDES = ("on", "off")
 
 
@@ -36,8 +38,13 @@ def commands(ck: Path, work: Path) -> dict:
                  lambda p, o: o.get("tokens", 0) / p["wall_s"], "tokens/s of the whole command"),
         "generate": (amdllm("generate", "--model", str(ck), "--prompt", PROMPT, "--max-new-tokens", "64", "--json"),
                      lambda p, o: o.get("tokens_per_second", 0), "steady decode tokens/s"),
+        "generate_float32": (amdllm("generate", "--model", str(ck), "--prompt", PROMPT, "--max-new-tokens", "64",
+                                    "--dtype", "float32", "--json"),
+                             lambda p, o: o.get("tokens_per_second", 0), "steady decode tokens/s"),
+        "generate_small": (amdllm("generate", "--prompt", PROMPT, "--max-new-tokens", "128", "--json"),
+                           lambda p, o: o.get("tokens_per_second", 0), "steady decode tokens/s"),
         "finetune": (amdllm("finetune", "--model", str(ck), "--data", str(data), "--out", str(work / "lora"),
-                            "--overwrite", "--steps", "4", "--batch-size", "1", "--seq-len", "256", "--rank", "8",
+                            "--steps", "4", "--batch-size", "1", "--seq-len", "256", "--rank", "8",
                             "--no-progress", "--json"),
                      lambda p, o: o.get("tokens_per_second", 0), "training tokens/s (median step)"),
         "serve": ([sys.executable, str(REPO / "benchmarks" / "bench_scale.py"), "--serve-once", str(ck), "auto"],
@@ -54,6 +61,7 @@ def main(argv=None) -> int:
     p.add_argument("--only", default=",".join(ROWS))
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", default="bench_results")
+    p.add_argument("--name", default="backend_cpu", help="the JSON file's name in --out")
     a = p.parse_args(argv)
     only = [r for r in ROWS if r in a.only.split(",")]
     work = Path(a.work).resolve()
@@ -70,7 +78,8 @@ def main(argv=None) -> int:
     for i in range(a.rounds):
         for r in only:
             for s in SIDES:
-                shutil.rmtree(work / "course", ignore_errors=True)
+                for d in ("course", "lora"):  # each run starts from nothing
+                    shutil.rmtree(work / d, ignore_errors=True)
                 proc = measured(cmds[r][0], env={"AMDLLM_BACKEND": s})
                 o = last_json(proc)
                 o = o[0] if isinstance(o, list) and o else o
@@ -93,7 +102,7 @@ def main(argv=None) -> int:
     print(table(rows, ["row", "unit", "on", "off", "on_over_off", "on_wall_s", "off_wall_s", "on_peak_rss_gb",
                        "off_peak_rss_gb", "on_dtype", "off_dtype"]))
     write_json({"checkpoint_bytes": nbytes, "cpu": machine(), "rounds": a.rounds, "rows": rows,
-                "runs": {f"{r} {s}": v for (r, s), v in runs.items()}}, a.out, "backend_cpu")
+                "runs": {f"{r} {s}": v for (r, s), v in runs.items()}}, a.out, a.name)
     return 0 if all(r["ok"] for r in rows) else 1
 
 

@@ -23,9 +23,11 @@ Phases run in the order ceilings, qmatmul, decode_bf16, decode_int4_pallas, lora
 SwiGLU, instead of the whole layer), decode_int4_xla4, lora_step (1 above: the backend's attention, cuDNN's
 on NVIDIA in bf16; its "attention" field says which), lora_step_blocked (remat full with amdllm's blocked
 attention), decode_int4 (the reference route); `--phases` picks, `--budget-s` skips what is left.
-4. serve_engine (after lora_step_dots): the server's engine decoding bf16 at batch 1 and 8, with its step
-   scanning the stacked layers (as `amdllm serve` runs it) and over static slices (`Engine(unstack=True)`),
-   twice per batch: with and without compilation.
+4. serve_engine (after lora_step_dots): the server's engine decoding bf16 at `--engine-batches` concurrent
+   requests (default 1, 8 and 32), with its step scanning the stacked layers (as `amdllm serve` runs it) and
+   over static slices (`Engine(unstack=True)`), twice per batch: with and without compilation.
+5. course (only when named in --phases): the six lessons run on the device exactly as `make course` runs
+   them (`--quick` with --tiny), each lesson's seconds and the JAX backend its results name.
 
 Results are written to OUT/gpu.json after every phase, so a run cut short still reports what it measured.
 
@@ -439,6 +441,25 @@ def _engine_rounds(cfg, model, variant, batches, new_tokens, bandwidth, nbytes, 
     return out
 
 
+def course(out: str | None, tiny: bool, log) -> dict:
+    """The six lessons on this machine's JAX, as `make course` runs them (the notebook runner in its own
+    process; --quick sizes with --tiny): per lesson ok, seconds and the backend its results name."""
+    import subprocess
+    import tempfile
+    where = Path(out or tempfile.mkdtemp()) / "course"
+    cmd = [sys.executable, "-m", "amdllm.course.notebooks", "run", "--out", str(where)] + (["--quick"] if tiny else [])
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    summary = where / "summary.json"
+    recs = json.loads(summary.read_text()) if summary.is_file() else []
+    r = {"seconds": time.perf_counter() - t0, "returncode": proc.returncode, "summary": proc.stdout[-1500:],
+         "lessons": [{"name": x["name"], "ok": x["ok"], "seconds": x["seconds"], "error": x["error"],
+                      "jax_backend": (x.get("results") or {}).get("jax_backend"),
+                      "jax_devices": (x.get("results") or {}).get("jax_devices")} for x in recs]}
+    log(json.dumps({k: v for k, v in r.items() if k != "summary"}))
+    return r
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
@@ -447,6 +468,7 @@ def main():
     ap.add_argument("--lora-batches", default=None, help="comma-separated batch sizes to try, largest first")
     ap.add_argument("--decode-variants", default="scan,sliced,unrolled", help="ways to run the layers (decode)")
     ap.add_argument("--profile-dir", default=None, help="trace one batch-1 decode per phase and variant here")
+    ap.add_argument("--engine-batches", default=None, help="concurrent requests for serve_engine (default 1,8,32)")
     ap.add_argument("--phases", default="ceilings,qmatmul,decode_bf16,decode_int4_pallas,lora_step_dots,"
                                         "serve_engine,decode_int4_xla4,lora_step,lora_step_blocked,decode_int4")
     args = ap.parse_args()
@@ -454,12 +476,14 @@ def main():
     if args.tiny:
         cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-        seq, batches, dots_batches, steps, dec_b, new = 128, [4, 2], [2], 2, [1, 2], 8
+        seq, batches, dots_batches, steps, dec_b, new, eng_b = 128, [4, 2], [2], 2, [1, 2], 8, [1, 2]
     else:
         cfg = get_preset("llama-3.1-8b")
         # remat dots keeps every projection's output: batch 16 x 2048 needs 137.5 GiB by amdllm.parallel.plan,
         # over the H200's, so its search starts at 8 (76.7 GiB) instead of compiling a batch that cannot fit
-        seq, batches, dots_batches, steps, dec_b, new = 2048, [16, 8, 4, 2, 1], [8, 4, 2, 1], 3, [1, 8], 64
+        seq, batches, dots_batches, steps, dec_b, new, eng_b = 2048, [16, 8, 4, 2, 1], [8, 4, 2, 1], 3, [1, 8], 64, [1, 8, 32]
+    if args.engine_batches:
+        eng_b = [int(b) for b in args.engine_batches.split(",")]
     if args.lora_batches:
         batches = dots_batches = [int(b) for b in args.lora_batches.split(",")]
     t0 = time.perf_counter()
@@ -490,7 +514,8 @@ def main():
               "decode_int4": lambda: decode(cfg, True, dec_b, new, bw(), log, "xla", **dec_kw),
               "decode_int4_pallas": lambda: decode(cfg, True, dec_b, new, bw(), log, "pallas", **dec_kw),
               "decode_int4_xla4": lambda: decode(cfg, True, dec_b, new, bw(), log, "int4", **dec_kw),
-              "serve_engine": lambda: serve_engine(cfg, dec_b, new, bw(), log)}
+              "serve_engine": lambda: serve_engine(cfg, eng_b, new, bw(), log),
+              "course": lambda: course(args.out, args.tiny, log)}
     import os
     result["xla_flags"] = os.environ.get("XLA_FLAGS", "")
     wanted = ["ceilings"] + [p for p in args.phases.split(",") if p != "ceilings"]
