@@ -3,7 +3,8 @@
 Where the Python that runs `make` already has a JAX that computes on a GPU or TPU (a ROCm or CUDA
 container, a TPU VM), the venv is built on top of it (`--system-site-packages`) and the lock's pins of
 JAX, its plugins and PyTorch are left out, so the accelerator builds stay; elsewhere the venv is the
-CPU one, with PyTorch's CPU build from TORCH_INDEX (a wheel pip already has locally comes first).
+CPU one, with PyTorch's CPU build from TORCH_INDEX (a wheel pip already has locally comes first; where
+the index cannot be reached in a few seconds, pip's own configured index, with one line saying so).
 Standard library only: it runs before anything is installed. `--dry-run` prints the plan as JSON.
 
     python3 requirements/install.py --venv .venv [--accel auto|cpu] [--torch-index URL] [--dry-run]
@@ -16,6 +17,7 @@ import os
 import re
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,6 +57,15 @@ def plan(found: dict | None, accel: str, venv: Path, torch_index: str) -> dict:
             "constraints": [p for p in pins if p not in kept], "torch": torch_pin, "torch_index": torch_index}
 
 
+def reachable(url: str, timeout: float = 5) -> bool:
+    """Whether `url` answers within `timeout` seconds (pip would otherwise retry a dead host for long)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
 def run(cmd: list[str]) -> None:
     print("+ " + " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
@@ -72,8 +83,13 @@ def install(p: dict) -> None:
     has_torch = subprocess.run([py, "-c", "import torch"], capture_output=True).returncode == 0
     if not has_torch:  # a local wheel first (no network), else the CPU build from the named index
         local = subprocess.run([py, "-m", "pip", "install", "-q", "--no-index", p["torch"]], capture_output=True)
-        if local.returncode != 0:
+        if local.returncode != 0 and reachable(p["torch_index"]):
             run([py, "-m", "pip", "install", "-q", p["torch"], "--index-url", p["torch_index"]])
+        elif local.returncode != 0:  # a mirror-only machine: name the index that holds the CPU build
+            print(f"install.py: {p['torch_index']} cannot be reached; {p['torch']} from pip's configured index "
+                  "(set TORCH_INDEX to a mirror of the CPU build where that index holds the GPU one)",
+                  file=sys.stderr, flush=True)
+            run([py, "-m", "pip", "install", "-q", p["torch"]])
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}  # setuptools' notice on editable installs
     print(f"+ pip install -c {constraints} -e .[all]", flush=True)
     subprocess.run([py, "-m", "pip", "install", "-q", "-c", str(constraints), "-e", f"{REPO}[all]"], check=True,

@@ -68,3 +68,22 @@ def test_the_probe_reads_a_real_interpreters_jax(tmp_path):
     found = install.probe_jax(sys.executable)
     assert found["backend"] == "cpu" and found["devices"] >= 1
     assert install.plan(found, "auto", tmp_path, install.TORCH_INDEX)["mode"] == "cpu"
+
+
+def test_an_unreachable_torch_index_is_known_in_seconds_not_retried():
+    """Where TORCH_INDEX cannot be reached (no network, as here), install.py goes to pip's configured index
+    with one line, instead of pip retrying the dead host for every package."""
+    sys.path.insert(0, str(INSTALL.parent))
+    try:
+        import install
+    finally:
+        sys.path.pop(0)
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))  # a port nothing listens on: refused at once
+    port = s.getsockname()[1]
+    s.close()
+    assert install.reachable(f"http://127.0.0.1:{port}/whl/cpu", timeout=5) is False
+    assert install.reachable("not a url") is False
+    src = INSTALL.read_text()
+    assert 'reachable(p["torch_index"])' in src and "cannot be reached" in src
