@@ -1,10 +1,11 @@
 """LlamaConfig: the shape of a Llama model, read from and written to Hugging Face `config.json`.
 
 One frozen dataclass carries every number the model, the checkpoint loader and the planner need.
-It reads both spellings of RoPE settings that exist in the wild:
+It reads both spellings of RoPE settings that exist in the wild, by transformers 5's rule (a non-empty
+`rope_scaling` replaces `rope_parameters`), and writes both, so old and new readers agree with us:
   * transformers < 5:  "rope_theta": 500000.0, "rope_scaling": {"rope_type"|"type": "llama3", ...}
   * transformers >= 5: "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, ...}
-and writes both, so old and new readers (transformers 4/5, GPTQModel, vLLM) agree with us.
+A setting we do not implement (a RoPE type, a bias) is refused by name, never ignored.
 """
 from __future__ import annotations
 
@@ -20,11 +21,45 @@ from amdllm.files import atomic_write_text, read_json
 
 SUPPORTED_MODEL_TYPES = ("llama",)
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 class ConfigError(ValueError):
     """A config.json we cannot honour; the message names the file and the setting."""
+
+
+def _flag(d: dict, key: str, source: str) -> bool:
+    """A JSON true/false (absent: false); transformers 5 refuses "false" as a string, and so do we."""
+    v = d.get(key, False)
+    if not isinstance(v, bool):
+        raise ConfigError(f"{source}: {key} must be true or false, got {v!r}")
+    return v
+
+
+def _rope_scaling(rs: dict, max_positions: int) -> dict | None:
+    """The RoPE scaling as our RoPE reads it: None for plain RoPE, else a dict with rope_type and its
+    numbers, each checked; llama3's original length defaults to max_position_embeddings, as in transformers."""
+    rtype = rs.get("rope_type", rs.get("type", "default"))
+    if rtype not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(f"rope_scaling type {rtype!r} is not implemented (amdllm runs "
+                          f"{', '.join(SUPPORTED_ROPE_TYPES)}); the model would differ from transformers")
+    if rtype == "default":
+        return None
+    out = {"rope_type": rtype, "factor": rs.get("factor")}
+    if rtype == "llama3":
+        out.update({k: rs.get(k) for k in LLAMA3_KEYS[1:]})
+        if out["original_max_position_embeddings"] is None:
+            out["original_max_position_embeddings"] = max_positions
+    for k, v in out.items():
+        if k != "rope_type" and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                                 or v <= 0 or (k == "factor" and v < 1)):
+            raise ConfigError(f"rope_scaling.{k} must be a {'number >= 1' if k == 'factor' else 'positive number'}"
+                              f" for rope_type {rtype!r}, got {v!r}")
+    if rtype == "llama3" and out["high_freq_factor"] <= out["low_freq_factor"]:
+        raise ConfigError(f"rope_scaling.high_freq_factor ({out['high_freq_factor']}) must be above "
+                          f"low_freq_factor ({out['low_freq_factor']})")
+    return out
 
 
 @dataclass(frozen=True)
@@ -64,21 +99,7 @@ class LlamaConfig:
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}")
         if self.rope_scaling is not None:
-            rtype = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
-            if rtype not in SUPPORTED_ROPE_TYPES:
-                raise ConfigError(f"rope_scaling type {rtype!r} is not implemented; amdllm supports "
-                                  f"{SUPPORTED_ROPE_TYPES}")
-            if rtype == "default":
-                object.__setattr__(self, "rope_scaling", None)
-            else:
-                rs = dict(self.rope_scaling)
-                rs.pop("type", None)
-                rs.pop("rope_theta", None)
-                rs["rope_type"] = rtype
-                for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-                    if k not in rs:
-                        raise ConfigError(f"rope_scaling of type 'llama3' needs {k!r}; got keys {sorted(rs)}")
-                object.__setattr__(self, "rope_scaling", rs)
+            object.__setattr__(self, "rope_scaling", _rope_scaling(self.rope_scaling, self.max_position_embeddings))
 
     # ---- derived sizes ----
     @property
@@ -123,19 +144,17 @@ class LlamaConfig:
         if act != "silu":
             raise ConfigError(f"{source}: hidden_act {act!r} not supported; Llama uses 'silu'")
         for flag in ("attention_bias", "mlp_bias"):
-            if d.get(flag):
+            if _flag(d, flag, source):
                 raise ConfigError(f"{source}: {flag}=true is not supported (Llama has no biases)")
         if d.get("pretraining_tp", 1) not in (1, None):
             raise ConfigError(f"{source}: pretraining_tp={d['pretraining_tp']} is not supported; use 1")
-        rp = d.get("rope_parameters")
-        if isinstance(rp, dict):
-            theta = rp.get("rope_theta", d.get("rope_theta", 10000.0))
-            scaling = rp if rp.get("rope_type", "default") != "default" else None
-        else:
-            theta = d.get("rope_theta", 10000.0)
-            scaling = d.get("rope_scaling")
-        if scaling is not None and not isinstance(scaling, dict):
-            raise ConfigError(f"{source}: rope_scaling must be an object or null, got {scaling!r}")
+        # transformers 5: a non-empty rope_scaling replaces rope_parameters (its theta included)
+        key = "rope_scaling" if d.get("rope_scaling") else "rope_parameters"
+        rope = d.get(key) or {}
+        if not isinstance(rope, dict):
+            raise ConfigError(f"{source}: {key} must be an object or null, got {rope!r}")
+        theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+        scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
         required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
         missing = [k for k in required if k not in d]
         if missing:
@@ -150,9 +169,11 @@ class LlamaConfig:
                   rms_norm_eps=_positive(d.get("rms_norm_eps", 1e-6), "rms_norm_eps", source),
                   max_position_embeddings=_count(d, "max_position_embeddings", source, 2048))
         try:  # __post_init__'s checks (heads, RoPE) do not know the file: named here
-            return cls(**kw, rope_scaling=scaling, tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            return cls(**kw, rope_scaling=scaling, tie_word_embeddings=_flag(d, "tie_word_embeddings", source),
                        torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"), extra=extra)
         except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+        except (TypeError, ValueError) as e:  # a setting of the wrong kind deep in a nested object
             raise ConfigError(f"{source}: {e}") from None
 
     @classmethod

@@ -110,6 +110,17 @@ def read_text(path: str | os.PathLike, error: type[Exception] = ValueError) -> s
         raise error(f"{path}:{line}: byte 0x{data[e.start]:02x} is not UTF-8 (expected UTF-8 text)") from None
 
 
+def check_text(s: str, where: str, error: type[Exception] = ValueError) -> str:
+    """`s` if it is text UTF-8 can hold; a lone surrogate (JSON's "\\ud800", an undecodable byte of a
+    command line) raises `error` naming `where` and the character."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise error(f"{where}: character {e.start + 1} is a lone surrogate (U+{ord(s[e.start]):04X}), not "
+                    "text (expected UTF-8 text)") from None
+    return s
+
+
 def read_json(path: str | os.PathLike, error: type[Exception] = ValueError):
     """Parse a JSON file; invalid JSON (or UTF-8) raises `error` with a message naming the file."""
     try:
@@ -124,14 +135,20 @@ class OutputError(ValueError):
 
 def check_output_dir(out: str | os.PathLike, inputs=(), *, command: str, overwrite: bool = False,
                      flag: str = "--out", allowed: bool = False) -> Path:
-    """Refuse to write into `out` when it is one of `inputs` (always), or when it exists and is not an
-    empty directory, unless `overwrite` (or `allowed`: the caller continues what is there, e.g. a resume).
+    """Refuse `out` when it is, holds, or lies inside any of `inputs` ((flag, path) pairs: every file or
+    directory the command reads; always, --overwrite or not), or when it exists and is not an empty
+    directory, unless `overwrite` (or `allowed`: the caller continues what is there, e.g. a resume).
     Called before anything is loaded, so a wrong path costs nothing."""
     out = Path(out)
-    for src in inputs:
-        if src is not None and Path(src).exists() and out.resolve() == Path(src).resolve():
-            raise OutputError(f"{flag} {out}: is an input directory ({src}); {command} never writes over its "
-                              "input")
+    where = out.resolve()
+    for name, src in inputs:
+        if src is None or not Path(src).exists():
+            continue
+        read = Path(src).resolve()
+        if where == read or where in read.parents or read in where.parents:
+            how = "is" if where == read else "holds" if where in read.parents else "lies inside"
+            raise OutputError(f"{flag} {out}: {how} an input ({name} {src}); {command} never writes over its "
+                              f"input, into it or around it: choose a {flag} apart from what it reads")
     if out.exists() and not out.is_dir():
         raise OutputError(f"{flag} {out}: exists and is not a directory")
     held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []

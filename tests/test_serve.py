@@ -215,10 +215,8 @@ def test_bounded_load_all_succeed_nobody_gets_anothers_output(served):
         r = complete(c, prompt, n, timeout=120)
         return job, r.choices[0].model_extra["token_ids"]
 
-    t0 = time.time()
-    with cf.ThreadPoolExecutor(8) as ex:
-        results = list(ex.map(one, jobs, timeout=300))
-    assert time.time() - t0 < 300
+    with cf.ThreadPoolExecutor(8) as ex:  # a deadline against a hang, not a timing
+        results = list(ex.map(one, jobs, timeout=600))
     assert len(results) == 40
     for (prompt, n), ids in results:
         ref = refs[prompt][:n]
@@ -284,8 +282,8 @@ def chat_page_in_chromium(url: str, question: str, profile, screenshot=None, tim
         proc.wait(30)
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="opt-in: needs a headless Chromium (apt-get install chromium); "
-                                              "otherwise a manual check, see docs/chat_page.png")
+@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on this machine (.ci/run installs Debian's with "
+                                              "apt-get install chromium); docs/chat_page.png shows the page")
 def test_chat_page_answers_in_headless_chromium(served, tmp_path):
     """The page lists the model, sends the question with fetch + ReadableStream, renders the streamed reply."""
     pytest.importorskip("websocket", reason="opt-in: needs websocket-client to drive Chromium")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from amdllm.cli.common import emit, model_dir
+from amdllm.cli.common import check_context, emit, model_dir
 from amdllm.cli.datasets import read_dataset
 from amdllm.config import LlamaConfig
 from amdllm.course import heldout_text_path
@@ -37,12 +37,8 @@ def run(args) -> int:
             raise FileNotFoundError(f"--text {text_path}: no such file")
         texts, rule, source = [read_text(text_path)], "wikitext2", {"text": str(text_path)}
     path = model_dir(args.model)
-    context = LlamaConfig.from_json(path).max_position_embeddings  # before the text is tokenized
-    if args.seq_len is None:
-        args.seq_len = min(256, context)
-    elif args.seq_len > context:
-        raise ValueError(f"--seq-len {args.seq_len} is beyond {path}'s context (max_position_embeddings="
-                         f"{context})")
+    cfg = LlamaConfig.from_json(path)  # before the text is tokenized
+    args.seq_len = check_context(args.seq_len, cfg, path)
     # tokenized first (a broken tokenizer fails before the weights load), by `tokenizers` itself where the
     # checkpoint has a tokenizer.json: the same ids as transformers, without its import (and torch's)
     wins, report = eval_windows(texts, encoder(path), args.seq_len, args.protocol, rule)

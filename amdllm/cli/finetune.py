@@ -10,7 +10,7 @@ from flax import nnx
 
 from amdllm.cli import cluster
 from amdllm.cli.cluster import cluster_of
-from amdllm.cli.common import emit
+from amdllm.cli.common import check_context, emit
 from amdllm.cli.common import model_dir as resolve_model_dir
 from amdllm.config import LlamaConfig
 from amdllm.io import checkpoint
@@ -23,15 +23,17 @@ from amdllm.parallel.plan import GB, device_memory, least_remat, remat_key
 from amdllm.parallel.plan import plan as plan_run
 from amdllm.parallel.sharding import make_mesh, placement
 from amdllm.train import data as data_mod
-from amdllm.train.loop import (TrainConfig, check_batch_splits, check_run_dir, finetune, list_checkpoints,
-                               rss_now)
+from amdllm.train.checkpoints import check_run_dir, resumable
+from amdllm.train.loop import TrainConfig, check_batch_splits, finetune, rss_now
 
 
 def run(args) -> int:
     model_dir = resolve_model_dir(args.model)
     # before anything is loaded: an earlier adapter or run in --out is replaced only when asked
-    check_output_dir(args.out, [model_dir, args.data, args.eval_data], command="finetune", overwrite=args.overwrite,
-                     allowed=args.resume and bool(list_checkpoints(args.out)))
+    inputs = [("--model", model_dir), ("--data", args.data), ("--eval-data", args.eval_data),
+              ("--chat-template", args.chat_template)]
+    check_output_dir(args.out, inputs, command="finetune", overwrite=args.overwrite,
+                     allowed=args.resume and resumable(args.out))
     check_run_dir(args.out, args.steps, args.resume)
     several = cluster_of(args)["source"] != "single"
     # a GPTQ base (QLoRA): its quantization config is checked here, before the data and the weights
@@ -45,6 +47,7 @@ def run(args) -> int:
         raise ValueError("--merge with several processes: the merged model would be gathered whole into one; "
                          "merge the adapter afterwards in one process (docs/cli.md, 'Several processes')")
     cfg = LlamaConfig.from_json(model_dir)
+    args.seq_len = check_context(args.seq_len, cfg, model_dir)
     # the data is read and tokenized before the weights load: a bad row costs seconds, not a model load
     tok = use_chat_template(load_tokenizer(model_dir), args.chat_template)
     ds = data_mod.load_dataset(args.data, tok, args.seq_len, pack=not args.no_pack, too_long=args.too_long)

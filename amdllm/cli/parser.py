@@ -48,17 +48,22 @@ def build_parser() -> argparse.ArgumentParser:
 # --------------------------------------------------------------------------------------------------
 # Argument types and the flags several commands share
 # --------------------------------------------------------------------------------------------------
-def count(minimum: int = 1):
-    """argparse type: an integer >= minimum (so --batch-size 0 is refused by name, before any work)."""
+def count(minimum: int = 1, maximum: int | None = None):
+    """argparse type: an integer in [minimum, maximum] (so --batch-size 0 is refused by name, before any
+    work)."""
     def parse(text: str) -> int:
         try:
             v = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if v < minimum:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {v}")
+        if v < minimum or (maximum is not None and v > maximum):
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}"
+                                             + ("" if maximum is None else f" and <= {maximum}") + f", got {v}")
         return v
     return parse
+
+
+SEED_MAX = 2**32 - 1  # a seed every generator takes (JAX's keys, numpy's)
 
 
 def number(minimum: float | None = None, maximum: float | None = None, *, above: bool = False):
@@ -101,7 +106,8 @@ def add_run_shape_args(p: argparse.ArgumentParser, *, plan: bool = False) -> Non
     p.add_argument("--batch-size", type=count(), default=8,
                    help="rows per micro-batch, split over the mesh's data and fsdp axes")
     p.add_argument("--grad-accum", type=count(), default=1, help="micro-batches per optimizer step")
-    p.add_argument("--seq-len", type=count(2), default=256, help="tokens per row")
+    p.add_argument("--seq-len", type=count(2), default=None,
+                   help="tokens per row (default: 256, or the model's context where that is shorter)")
     p.add_argument("--mesh", default=None,
                    help="mesh spec, e.g. fsdp=8 or data=2,fsdp=8 (default: every device on fsdp when >1)")
     p.add_argument("--rules", default=None, choices=RULES,
@@ -167,7 +173,7 @@ def _generate(sub) -> None:
     p.add_argument("--max-new-tokens", type=count(0), default=64)
     p.add_argument("--temperature", type=number(0), default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=number(0, 1, above=True), default=1.0)
-    p.add_argument("--seed", type=count(0), default=0)
+    p.add_argument("--seed", type=count(0, SEED_MAX), default=0)
 
 
 def _finetune(sub) -> None:
@@ -191,7 +197,7 @@ def _finetune(sub) -> None:
     p.add_argument("--too-long", choices=TOO_LONG, default="split",
                    help="an example longer than --seq-len: split into windows (each token still trained once), "
                         "truncate, or drop; the run's data stats count each and the tokens lost")
-    p.add_argument("--seed", type=count(0), default=0)
+    p.add_argument("--seed", type=count(0, SEED_MAX), default=0)
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="frozen base weights and compute (auto: bfloat16 on accelerators; on a CPU a bfloat16 "
                         "checkpoint stays bfloat16 and the step computes in float32); LoRA and AdamW stay float32")
@@ -264,8 +270,9 @@ def _quantize(sub) -> None:
                                    "paper's code: C4, one random window in each of --samples random long "
                                    "documents)")
     p.add_argument("--samples", type=count(), default=128)
-    p.add_argument("--seq-len", type=count(2), default=256)
-    p.add_argument("--seed", type=count(0), default=0)
+    p.add_argument("--seq-len", type=count(2), default=None,
+                   help="tokens per calibration window (default: 256, or the model's context where shorter)")
+    p.add_argument("--seed", type=count(0, SEED_MAX), default=0)
     p.add_argument("--json", action="store_true")
 
 

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from amdllm.cli.common import emit, model_dir
+from amdllm.cli.common import check_context, emit, model_dir
 from amdllm.config import PRESETS, LlamaConfig
 from amdllm.io.gptq_format import quant_config_of
+from amdllm.quant.gptq import check_group_size
 from amdllm.parallel.plan import (DEVICE_MEMORY_GB, fewest_devices, format_plan, least_remat, plan,
                                   remat_key)
 
@@ -20,6 +21,7 @@ def run(args) -> int:
                          "checkpoint directory")
     else:
         cfg = LlamaConfig.from_json(args.model)
+    args.seq_len = check_context(args.seq_len, cfg, args.model or "the default model")
     bits, group_size = args.bits, args.group_size
     qc = quant_config_of(Path(args.model)) if args.model and Path(args.model).is_dir() else None
     if qc:
@@ -28,8 +30,8 @@ def run(args) -> int:
     if group_size is not None and bits is None:
         raise ValueError("--group-size needs --bits (or a GPTQ --model directory)")
     group_size = 128 if group_size is None else group_size
-    if group_size not in (-1,) and group_size < 1:
-        raise ValueError(f"--group-size {group_size}: expected a positive number of input rows, or -1")
+    if bits is not None:  # what `quantize` would refuse is not planned
+        check_group_size(cfg, group_size, args.model or "the default model")
     acc = args.accelerator.lower()
     mem = args.device_memory if args.device_memory is not None else DEVICE_MEMORY_GB.get(acc)
     if mem is None:

@@ -8,16 +8,17 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from amdllm import course
-from amdllm.cli.common import emit
+from amdllm.cli.common import check_context, emit
 from amdllm.cli.common import model_dir as resolve_model_dir
 from amdllm.cli.datasets import read_dataset
+from amdllm.config import LlamaConfig
 from amdllm.files import atomic_write_text, check_output_dir, read_text, staged_dir
 from amdllm.infer.protocols import calib_windows
 from amdllm.io.checkpoint import load, stored_dtype
 from amdllm.io.gptq_format import quant_config_dict, save_quantized
 from amdllm.io.tokenizer import encoder
 from amdllm.quant.calibrate import model_bytes, quantize_model
-from amdllm.quant.gptq import QuantSpec, fit_group_size, in_features
+from amdllm.quant.gptq import QuantSpec, check_group_size
 
 
 def run(args) -> int:
@@ -28,14 +29,17 @@ def run(args) -> int:
 
 
 def run_quantize(args) -> dict:
+    model_dir = resolve_model_dir(args.model)
+    check_output_dir(args.out, [("--model", model_dir), ("--calib", args.calib), ("--dataset", args.dataset)],
+                     command="quantize", overwrite=args.overwrite)
+    cfg = LlamaConfig.from_json(model_dir)  # what the text and the weights must fit
+    args.seq_len = check_context(args.seq_len, cfg, model_dir)
     spec = QuantSpec(bits=args.bits, group_size=args.group_size, sym=args.sym, act_order=args.act_order,
                      static_groups=args.static_groups, percdamp=args.damp,
                      true_sequential=not args.no_true_sequential)
     if args.bits == 3:
         raise ValueError("--bits 3 runs in memory (amdllm.quant.quantize_model) but the packed format "
                          "supports 2, 4 and 8 bits only")
-    model_dir = resolve_model_dir(args.model)
-    check_output_dir(args.out, [model_dir], command="quantize", overwrite=args.overwrite)
     windows, calib_report = None, {}
     if args.method == "gptq":  # the calibration text is read and cut before the weights load
         dataset = read_dataset(args, ("train",))
@@ -49,15 +53,11 @@ def run_quantize(args) -> dict:
         windows, report = calib_windows(texts, encoder(model_dir), args.samples, args.seq_len, args.seed,
                                         args.protocol, rule)
         calib_report.update(report)
+    check_group_size(cfg, spec.group_size, model_dir)  # before the weights load
     t0 = time.perf_counter()
     # a bfloat16 checkpoint is held as bfloat16 (each layer is widened to float32 when it is quantized)
     model = load(model_dir, dtype=jnp.bfloat16 if stored_dtype(Path(model_dir)) == "bfloat16" else jnp.float32,
                  allow_pickle=args.allow_pickle)
-    fitted, note = fit_group_size(model.cfg, spec.group_size)
-    if note:
-        raise ValueError(f"--group-size {spec.group_size} does not divide the in_features "
-                         f"{in_features(model.cfg)} of {model_dir}'s projections; pass --group-size {fitted}"
-                         + (" (one group per output row)" if fitted == -1 else " (the largest that fits)"))
     model, rows = quantize_model(model, windows, spec, method=args.method, progress=not args.json,
                                  compare_rtn=args.compare_rtn)
     qc = quant_config_dict(spec.bits, spec.group_size, spec.sym, spec.act_order,

@@ -42,6 +42,47 @@ def _flag(body: dict, name: str) -> bool:
     return v
 
 
+# OpenAI fields this server does not implement -> the values that ask for nothing (answered 400 otherwise,
+# naming the field, as vLLM does for what it lacks: a request is never answered as if it had not asked)
+UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+               "logit_bias": (None, {}), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+               "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+               "function_call": (None, "none"), "response_format": (None, {"type": "text"})}
+
+
+def _same(v, n) -> bool:
+    """v is the neutral value n: false is not 0, and 0.0 is 0."""
+    if v is None or n is None or isinstance(n, bool) or isinstance(v, bool):
+        return v is n
+    return v == n if not isinstance(n, (int, float)) else isinstance(v, (int, float)) and v == n
+
+
+def check_body(body: dict) -> None:
+    """What every request is refused for, before its fields are read: a field this server does not
+    implement, set to ask for something; a string UTF-8 cannot hold (JSON's lone "\\ud800")."""
+    for name, neutral in UNSUPPORTED.items():
+        v = body.get(name)
+        if not any(_same(v, n) for n in neutral):
+            raise APIError(400, f"'{name}' is not supported by this server (got {v!r}); leave it out", name,
+                           "unsupported_parameter")
+
+    def walk(v, where):
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise APIError(400, f"'{where}' holds a lone surrogate (U+{ord(v[e.start]):04X}) at character "
+                                    f"{e.start + 1}, not text", where, "invalid_value") from None
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                walk(k, where)
+                walk(x, f"{where}.{k}" if where else str(k))
+        elif isinstance(v, list):
+            for i, x in enumerate(v):
+                walk(x, f"{where}.[{i}]")
+    walk(body, "")
+
+
 def _stops(body: dict) -> list[str]:
     stop = body.get("stop")
     if stop is None:

@@ -117,6 +117,8 @@ class Decoder:
         self.unstack = on_gpu() if unstack is None else unstack
         self.eos_ids = tuple(sorted({int(e) for e in eos_ids}))
         self.pad_id = int(pad_id)
+        if not 0 <= self.pad_id < model.cfg.vocab_size:  # it would be clamped into a real token: rows corrupted
+            raise ValueError(f"pad_id {self.pad_id} is outside the model's vocabulary [0, {model.cfg.vocab_size})")
         self.prefill, self.step = _compiled(model)
 
     def stream(self, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int = 64, *,

@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from amdllm.infer.evaluate import windows as amdllm_windows
-from amdllm.quant.calibrate import calibration_windows
+from amdllm.quant.calibrate import calibration_windows, check_samples
 
 PROTOCOLS = ("amdllm", "gptq")
 C4_EVAL_DOCS, C4_EVAL_WINDOWS = 1100, 256
@@ -65,6 +65,7 @@ def calib_windows(texts: list[str], encode: Encode, samples: int, seq_len: int, 
         ids = np.asarray(encode("\n\n".join(texts)), np.int32)
         if len(ids) <= seq_len:
             raise ProtocolError(f"the texts give {len(ids)} tokens; a calibration window needs more than {seq_len}")
+        check_samples(samples, len(ids) - seq_len, seq_len)
         starts = [rng.randint(0, len(ids) - seq_len - 1) for _ in range(samples)]
         return (np.stack([ids[i:i + seq_len] for i in starts]),
                 {"protocol": protocol, "rule": rule, "samples": samples, "seed": seed})

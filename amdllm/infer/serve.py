@@ -10,19 +10,21 @@ import asyncio
 import concurrent.futures
 import hmac
 import json
+import logging
 import threading
 import time
 from pathlib import Path
 
 from amdllm.infer import http
-from amdllm.infer.api import (MAX_BODY_BYTES, APIError, Parsed, ServerConfig, max_prompt_chars, parse_chat,
-                              parse_completion)
+from amdllm.infer.api import (MAX_BODY_BYTES, APIError, Parsed, ServerConfig, check_body, max_prompt_chars,
+                              parse_chat, parse_completion)
 from amdllm.infer.engine import Engine, Request, new_id, now
 from amdllm.infer.generate import load_model
 from amdllm.io.templates import TEMPLATE_FILE, use_chat_template
 from amdllm.model.inputs import expect_model, expect_tokenizer
 
 STATIC = Path(__file__).resolve().parent / "static"
+log = logging.getLogger("amdllm.serve")
 
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
@@ -55,6 +57,12 @@ def create_app(engine: Engine, cfg: ServerConfig):
     async def _validation_error(_, e):
         return JSONResponse(APIError(400, str(e), None, "invalid_request").body(), status_code=400)
 
+    @app.exception_handler(Exception)
+    async def _internal_error(request, e: Exception):  # a bug of ours: OpenAI's shape, and one log line
+        log.error("%s %s: internal error: %s: %s", request.method, request.url.path, type(e).__name__, e)
+        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}", None, "internal_error",
+                                     type="server_error").body(), status_code=500)
+
     def check_key(request: HTTPRequest):
         if cfg.api_key is None:
             return
@@ -85,6 +93,7 @@ def create_app(engine: Engine, cfg: ServerConfig):
                            "invalid_json") from None
         if not isinstance(body, dict):
             raise APIError(400, "The request body must be a JSON object", None, "invalid_json")
+        check_body(body)
         model = body.get("model", cfg.model_name)
         if model != cfg.model_name:
             raise APIError(404, f"The model '{model}' does not exist; this server serves '{cfg.model_name}' "

@@ -21,15 +21,17 @@ from tqdm.auto import tqdm
 
 from amdllm.config import LlamaConfig
 from amdllm.files import atomic_write_text, read_json
+from amdllm.io.gguf_file import is_gguf, read_gguf
 from amdllm.io.gptq_format import is_quantized, load_quantized
+from amdllm.io.checks import check_finite, check_layer_count, keep_file_head
 from amdllm.io.names import IGNORED_SUFFIXES, NAME_TABLE, TOKENIZER_FILES
 from amdllm.io.tokenizer import copy_tokenizer
 from amdllm.model.llama import Llama, param_table
 from amdllm.io.transpose import copy_transposed, transposed
 from amdllm.parallel.sharding import activation_sharding, param_shardings
-from amdllm.io.safetensors import aligned_empty
 from amdllm.io.safetensors import (ST_DTYPES, ST_NAMES, CheckpointError, SafetensorsFile, TensorSource,
-                                   load_tensors, parse_size, save_tensors, write_safetensors, write_sharded)
+                                   aligned_empty, load_tensors, parse_size, save_tensors, write_safetensors,
+                                   write_sharded)
 
 # the reader / writer are re-exported: `checkpoint.TensorSource`, `checkpoint.save_tensors`, ... keep working
 __all__ = ["NAME_TABLE", "IGNORED_SUFFIXES", "TOKENIZER_FILES", "hf_tensor_specs", "validate", "load", "save",
@@ -70,8 +72,9 @@ def _fmt(items: list[str], limit: int = 8) -> str:
 
 def validate(src: TensorSource, cfg: LlamaConfig) -> dict:
     """Check names, shapes and dtypes against `cfg`; raise one CheckpointError listing every problem."""
-    specs = hf_tensor_specs(cfg)
     found = set(src.names())
+    check_layer_count(found, cfg.num_hidden_layers, src.path, CheckpointError)
+    specs = hf_tensor_specs(cfg)
     missing = [n for n in specs if n not in found]
     ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()  # tied: transformers skips it
     unexpected = sorted(n for n in found - set(specs) if n not in ignorable and not n.endswith(IGNORED_SUFFIXES))
@@ -89,7 +92,7 @@ def validate(src: TensorSource, cfg: LlamaConfig) -> dict:
     if bad_dtype:
         problems.append(f"non-float tensors: {_fmt(bad_dtype)}")
     if problems:
-        raise CheckpointError(f"{src.path}: checkpoint does not match config.json "
+        raise CheckpointError(f"{src.path}: checkpoint does not match {getattr(src, 'config_name', 'config.json')} "
                               f"({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}): " + "; ".join(problems))
     return specs
 
@@ -142,32 +145,12 @@ def _read_block(src: TensorSource, cfg: LlamaConfig, ours: str, index: tuple, dt
     out = aligned_empty(block, dtype)
     if not ours.startswith("layers/"):
         _copy_into(out, src, hf, tr, index)
-        _check_finite(out, src, hf)
+        check_finite(out, src.path, hf)
         return out
     for j, i in enumerate(range(*index[0].indices(shape[0]))):  # the stacked buffer, one layer at a time
         _copy_into(out[j], src, hf.format(i=i), tr, index[1:])
-        _check_finite(out[j], src, hf.format(i=i))
+        check_finite(out[j], src.path, hf.format(i=i))
     return out
-
-
-FINITE_CHUNK = 1 << 22  # elements checked at a time: the check's temporary stays a few MB
-
-
-def _check_finite(a: np.ndarray, src: TensorSource, name: str) -> None:
-    """A NaN or infinity in the weights is refused at load, naming the tensor (it would otherwise come
-    out as a perplexity of NaN, or token ids all 0). One pass over what was just copied, in chunks."""
-    flat = a.reshape(-1)  # a view: the block is contiguous
-    exponent = EXPONENT_BITS.get(flat.dtype)  # 2-byte floats: integer ops (ml_dtypes' isfinite is slow)
-    for k in range(0, flat.size, FINITE_CHUNK):
-        chunk = flat[k:k + FINITE_CHUNK]
-        bad = ((chunk.view(np.uint16) & exponent).max(initial=0) == exponent if exponent is not None
-               else not np.isfinite(chunk).all())
-        if bad:
-            raise CheckpointError(f"{src.path}: tensor {name} holds NaN or infinite values")
-
-
-# a 2-byte float is NaN or infinite exactly when its exponent bits are all ones
-EXPONENT_BITS = {np.dtype(ml_dtypes.bfloat16): np.uint16(0x7F80), np.dtype(np.float16): np.uint16(0x7C00)}
 
 
 def _flatten_shardings(sh) -> dict[str, Any]:
@@ -212,19 +195,24 @@ def stored_dtype(path: Path) -> str:
 
 def load(path, *, dtype=jnp.float32, compute_dtype=None, mesh=None, rules=None, shardings=None,
          allow_pickle: bool = False, remat: bool = False) -> Llama:
-    """Read an HF Llama checkpoint directory into a `Llama` with parameters in `dtype`.
+    """Read an HF Llama checkpoint directory (or a llama.cpp `.gguf` file) into a `Llama` in `dtype`.
 
     compute_dtype: activations dtype (default: `dtype`). shardings: {our name: jax Sharding}; or
     `mesh` + `rules` to derive them with `amdllm.parallel.sharding.param_shardings`. GPTQ directories
     (a `quantization_config` in config.json) are handed to `amdllm.io.gptq_format.load_quantized`.
     """
     path = Path(path)
-    raw = read_config(path)
-    if is_quantized(path, raw):
-        return load_quantized(path, dtype=dtype, compute_dtype=compute_dtype, mesh=mesh, rules=rules,
-                              shardings=shardings, remat=remat)
-    cfg = LlamaConfig.from_dict(raw, source=str(path / "config.json"))  # ConfigError names file and setting
-    src = TensorSource(path, allow_pickle=allow_pickle)
+    if path.suffix.lower() == ".gguf" or is_gguf(path):  # llama.cpp's: metadata as config, tensors dequantized
+        raw, src = read_gguf(path)
+        cfg = LlamaConfig.from_dict(raw, source=f"{path} (GGUF metadata)")
+    else:
+        raw = read_config(path)
+        if is_quantized(path, raw):
+            return load_quantized(path, dtype=dtype, compute_dtype=compute_dtype, mesh=mesh, rules=rules,
+                                  shardings=shardings, remat=remat)
+        cfg = LlamaConfig.from_dict(raw, source=str(path / "config.json"))  # ConfigError names file and setting
+        src = TensorSource(path, allow_pickle=allow_pickle)
+    cfg = keep_file_head(cfg, src, path)
     validate(src, cfg)
     dtype = jnp.dtype(dtype)
     if not jnp.issubdtype(dtype, jnp.floating):

@@ -1,6 +1,7 @@
 """Rewrite a checkpoint as users should keep it: safetensors shards plus tokenizer.json.
 
-`convert` reads whatever `TensorSource` can (safetensors, or pickled `.bin` shards with allow_pickle),
+`convert` reads whatever `TensorSource` can (safetensors, or pickled `.bin` shards with allow_pickle) or
+a llama.cpp `.gguf` file (dequantized; float32 unless its tensors are float16 or bfloat16),
 writes every tensor under its Hugging Face name in the dtype asked for, one tensor in memory at a time,
 and saves the tokenizer through transformers. Delta weights (Vicuna v0) follow FastChat's `apply_delta`:
 target = delta + base in float16, a larger delta vocabulary keeping the base's first rows; the target
@@ -18,6 +19,8 @@ import numpy as np
 from amdllm.config import LlamaConfig
 from amdllm.files import atomic_write_text, check_output_dir, staged_dir
 from amdllm.io.checkpoint import is_quantized, read_config, validate
+from amdllm.io.checks import keep_file_head
+from amdllm.io.gguf_file import gguf_tokenizer, is_gguf, read_gguf
 from amdllm.io.names import TOKENIZER_FILES
 from amdllm.io.safetensors import CheckpointError, TensorSource, write_sharded
 from amdllm.io.tokenizer import load_tokenizer
@@ -64,11 +67,19 @@ def convert(src, out, *, dtype: str | None = None, allow_pickle: bool = False, d
     for a delta, as FastChat). Returns a report: tensors, bytes, files, dtype, seconds."""
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
-    raw, cfg = dense_config(src, "--model")
-    check_output_dir(out, [src, delta_base], command="convert", overwrite=overwrite)
+    gguf = src.suffix.lower() == ".gguf" or is_gguf(src)
+    if gguf:  # its metadata is the config
+        raw, source = read_gguf(src)
+        cfg = LlamaConfig.from_dict(raw, source=f"{src} (GGUF metadata)")
+    else:
+        raw, cfg = dense_config(src, "--model")
+        source = None
+    check_output_dir(out, [("--model", src), ("--delta-base", delta_base)], command="convert", overwrite=overwrite)
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
-    source = TensorSource(src, allow_pickle=allow_pickle)
+    source = source or TensorSource(src, allow_pickle=allow_pickle)
+    cfg = keep_file_head(cfg, source, src)
+    raw = {**raw, "tie_word_embeddings": cfg.tie_word_embeddings}  # the head kept is written, and untied
     names = list(validate(source, cfg))  # every tensor checked against config.json first, in HF order
     base = None
     if delta_base is not None:
@@ -76,7 +87,7 @@ def convert(src, out, *, dtype: str | None = None, allow_pickle: bool = False, d
         base = TensorSource(delta_base, allow_pickle=allow_pickle)
         validate(base, base_cfg)
         check_delta(source, base, names)
-    tokenizer = load_tokenizer(src)  # before the weights: a broken tokenizer fails in a second, not after them
+    tokenizer = gguf_tokenizer(src) if gguf else load_tokenizer(src)  # before the weights: a broken tokenizer fails in a second, not after them
     out_dt = DTYPES[dtype] if dtype else (np.dtype(np.float16) if base is not None else source.dtype(names[0]))
 
     def entry(n):
@@ -94,7 +105,7 @@ def convert(src, out, *, dtype: str | None = None, allow_pickle: bool = False, d
         files = write_sharded(staging, [entry(n) for n in names], max_shard_size, desc=f"converting {src.name}")
         raw = {**raw, "torch_dtype": out_dt.name, "dtype": out_dt.name}  # transformers 4 / 5 spellings
         atomic_write_text(staging / "config.json", json.dumps(raw, indent=2) + "\n")
-        for n in TOKENIZER_FILES:  # generation config, chat template, the original tokenizer files
+        for n in () if gguf else TOKENIZER_FILES:  # generation config, chat template, the original tokenizer files
             if (src / n).is_file():
                 shutil.copyfile(src / n, staging / n)
         tokenizer.save_pretrained(str(staging))  # tokenizer.json, converted if need be

@@ -20,7 +20,8 @@ from safetensors.numpy import save as st_save
 
 from amdllm.config import LlamaConfig
 from amdllm.files import atomic_path, atomic_write_text
-from amdllm.io.names import HF_PARENT, hf_proj
+from amdllm.io.checks import check_finite, check_layer_count, keep_file_head
+from amdllm.io.names import HF_PARENT, IGNORED_SUFFIXES, hf_proj
 from amdllm.io.safetensors import CheckpointError, SafetensorsFile, aligned_empty, load_tensors
 from amdllm.io.tokenizer import copy_tokenizer
 from amdllm.model.llama import Llama, param_table
@@ -94,6 +95,8 @@ def read_quant_config(path: Path) -> dict:
         qc, src = json.loads(qc_file.read_text()), str(qc_file)
     if qc is None:
         raise QuantFormatError(f"{path}: no quantization_config in config.json and no quantize_config.json")
+    if not isinstance(qc, dict):
+        raise QuantFormatError(f"{src}: expected an object of settings, got {type(qc).__name__} {qc!r:.60}")
     method = qc.get("quant_method", "gptq")
     if method != "gptq":
         raise QuantFormatError(f"{src}: quant_method {method!r} is not supported (expected 'gptq'); quantize the "
@@ -102,8 +105,16 @@ def read_quant_config(path: Path) -> dict:
     if fmt not in ("gptq", "gptq_v2"):
         raise QuantFormatError(f"{src}: checkpoint_format {fmt!r} is unknown; expected 'gptq' or 'gptq_v2'")
     bits = qc.get("bits")
+    if isinstance(bits, bool) or not isinstance(bits, int):
+        raise QuantFormatError(f"{src}: bits must be an integer, got {bits!r}")
     check_bits(bits, f"{src}: bits")
-    return {"bits": bits, "group_size": qc.get("group_size", -1), "format": fmt,
+    group_size = qc.get("group_size", -1)
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or not (group_size == -1 or group_size > 0):
+        raise QuantFormatError(f"{src}: group_size must be -1 or a positive integer, got {group_size!r}")
+    for k, default in (("sym", True), ("desc_act", False)):
+        if not isinstance(qc.get(k, default), bool):
+            raise QuantFormatError(f"{src}: {k} must be true or false, got {qc[k]!r}")
+    return {"bits": bits, "group_size": group_size, "format": fmt,
             "sym": qc.get("sym", True), "desc_act": qc.get("desc_act", False), "raw": qc}
 
 
@@ -166,13 +177,33 @@ def save_quantized(model, path, quant_config: dict, *, tokenizer_from=None) -> P
 # --------------------------------------------------------------------------------------------------
 # Load (ours, GPTQModel/AutoGPTQ v1 and v2) -- also reads plain dense HF Llama directories
 # --------------------------------------------------------------------------------------------------
-def _get(t, name, shape, path):
+def _get(t, name, shape, path, codes: bool = False):
+    """Tensor `name`, checked as the dense loader checks: its shape, and its dtype (integer `codes`, or
+    floats that hold no NaN or infinity). A float qweight or g_idx is refused, never cast."""
     if name not in t:
         raise QuantFormatError(f"{path}: tensor {name} is missing")
     a = t[name]
     if shape is not None and tuple(a.shape) != tuple(shape):
         raise QuantFormatError(f"{path}: tensor {name} has shape {tuple(a.shape)}, expected {tuple(shape)}")
+    if codes and a.dtype.kind not in "iu":
+        raise QuantFormatError(f"{path}: tensor {name} is {a.dtype}, expected integers (int32)")
+    if not codes:
+        if not jnp.issubdtype(a.dtype, jnp.floating):
+            raise QuantFormatError(f"{path}: tensor {name} is {a.dtype}, expected floating point")
+        check_finite(a, path, name, QuantFormatError)
     return a
+
+
+def _expected_names(t, cfg: LlamaConfig) -> set[str]:
+    """Every tensor name the config asks for (a projection packed or dense, as the file holds it)."""
+    names = {"model.embed_tokens.weight", "model.norm.weight"} | ({"lm_head.weight"} if not cfg.tie_word_embeddings
+                                                                 else set())
+    for i in range(cfg.num_hidden_layers):
+        names |= {f"model.layers.{i}.{nm}.weight" for nm in ("input_layernorm", "post_attention_layernorm")}
+        for proj in PROJECTIONS:
+            base = hf_proj(i, proj)
+            names |= ({f"{base}.{k}" for k in QUANT_KEYS} if f"{base}.qweight" in t else {f"{base}.weight"})
+    return names
 
 
 def _load_quant_proj(t, name, K, N, qc, path):
@@ -181,18 +212,18 @@ def _load_quant_proj(t, name, K, N, qc, path):
     if K % p or N % p:
         raise QuantFormatError(f"{path}: {name} has in/out features {K}/{N}, not multiples of {p} at {bits} bits")
     qw = t.get(name + ".qweight")
-    if qw is not None and infer_bits(qw.shape[0], K, f"{path}: {name}.qweight") != bits:
+    if qw is not None and qw.dtype.kind in "iu" and infer_bits(qw.shape[0], K, f"{path}: {name}.qweight") != bits:
         raise QuantFormatError(f"{path}: {name}.qweight shape {qw.shape} implies "
                                f"{32 * qw.shape[0] // K} bits but the quantization config says bits={bits}")
-    g = _get(t, name + ".g_idx", (K,), path).astype(np.int32)
+    g = _get(t, name + ".g_idx", (K,), path, codes=True).astype(np.int32)
     ng = group_count(K, G)
     if G not in (-1, 0) and K % G:
         raise QuantFormatError(f"{path}: {name}: group_size {G} does not divide in_features {K}")
     if g.min() < 0 or g.max() >= ng:
         raise QuantFormatError(f"{path}: {name}.g_idx has values in [{g.min()}, {g.max()}], expected [0, {ng})")
-    qw = _get(t, name + ".qweight", (K // p, N), path)  # a view of the file: read block by block at placement
+    qw = _get(t, name + ".qweight", (K // p, N), path, codes=True)  # a view of the file: read block by block at placement
     qw = qw if qw.dtype == np.int32 else qw.astype(np.int32)
-    qz = _get(t, name + ".qzeros", (ng, N // p), path).astype(np.int32)
+    qz = _get(t, name + ".qzeros", (ng, N // p), path, codes=True).astype(np.int32)
     sc = _get(t, name + ".scales", (ng, N), path).astype(np.float16)
     if qc["format"] == "gptq":
         z = unpack_cols(np.asarray(qz), bits)
@@ -216,6 +247,15 @@ def load_quantized(path, *, dtype=jnp.float32, compute_dtype=None, mesh=None, ru
     cfg = LlamaConfig.from_json(path)
     qc = quant_config_of(path)
     t = read_checkpoint_tensors(path)
+    # names first, as the dense loader: the layer count, the head, and nothing the config does not name
+    check_layer_count(t, cfg.num_hidden_layers, path, QuantFormatError)
+    cfg = keep_file_head(cfg, t, path)
+    expected = _expected_names(t, cfg)
+    unexpected = sorted(n for n in t if n not in expected and not n.endswith(IGNORED_SUFFIXES)
+                        and not (n == "lm_head.weight" and cfg.tie_word_embeddings))
+    if unexpected:
+        raise QuantFormatError(f"{path}: unexpected tensors (not in config.json's model): "
+                               f"{', '.join(unexpected[:8])}{' ...' if len(unexpected) > 8 else ''}")
     model = Llama.abstract(cfg, param_dtype=dtype, dtype=compute_dtype or dtype, remat=remat)
     table = param_table(cfg)
     L, D, V = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size

@@ -30,3 +30,4 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def hf_proj(i: int, proj: str) -> str:
     """'model.layers.{i}.self_attn.q_proj' (no suffix): the module path of a projection in layer i."""
     return f"model.layers.{i}.{HF_PARENT[proj]}.{proj}"
+

@@ -149,9 +149,10 @@ class TensorSource:
                     raise CheckpointError(f"{index}: shard {fname!r} listed in weight_map is missing")
                 self._add_file(self.path / fname)
             for name, fname in _read_weight_map(index).items():
-                if name not in self._where:
+                if name not in self._where or self._where[name].path.name != fname:
                     raise CheckpointError(f"{index}: tensor {name!r} is mapped to {fname!r} but that file "
-                                          "does not contain it")
+                                          "does not contain it" + (f" ({self._where[name].path.name} does)"
+                                                                   if name in self._where else ""))
         else:
             for shard in _torch_shards(self.path, allow_pickle):
                 for name in shard.names:

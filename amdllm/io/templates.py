@@ -7,7 +7,11 @@ training puts the loss on the assistant's replies; with a chat template the piec
 `tokenizer.apply_chat_template(messages, tokenize=False)`."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+
+from jinja2 import TemplateSyntaxError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from amdllm.files import read_text
 
@@ -52,13 +56,30 @@ def chat_template_text(spec: str) -> str:
     if not path.is_file():
         raise TemplateError(f"--chat-template {spec}: neither a template name ({', '.join(NAMED_TEMPLATES)}) "
                             "nor a Jinja file")
-    return read_text(path, TemplateError)
+    text = read_text(path, TemplateError)
+    if not text.strip():
+        raise TemplateError(f"--chat-template {spec}: the file is empty (expected a Jinja chat template)")
+    return text
+
+
+def check_parses(text: str, where: str) -> None:
+    """A template that does not parse is refused when it is given, not at the first request."""
+    try:
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except TemplateSyntaxError as e:
+        raise TemplateError(f"{where}: line {e.lineno}: the chat template does not parse ({e.message})") from None
 
 
 def use_chat_template(tokenizer, spec: str | None):
-    """Give `tokenizer` the template `spec` (name or file); None keeps its own. Returns the tokenizer."""
+    """Give `tokenizer` the template `spec` (name or file); None keeps its own. Returns the tokenizer.
+    Either way the template is checked to parse; errors in rendering name where it came from."""
     if spec is not None:
         tokenizer.chat_template = chat_template_text(spec)
+    where = (f"--chat-template {spec}" if spec is not None and spec not in NAMED_TEMPLATES else
+             f"the {spec} template" if spec is not None else "the tokenizer's chat template")
+    if isinstance(getattr(tokenizer, "chat_template", None), str):
+        check_parses(tokenizer.chat_template, where)
+    tokenizer.amdllm_template_source = where  # named by errors in rendering (not saved with the tokenizer)
     return tokenizer
 
 
@@ -67,11 +88,41 @@ def is_llama3_chat(tokenizer) -> bool:
     return all(t in vocab for t in LLAMA3_SPECIALS)
 
 
-def _apply(tokenizer, messages: list[dict], generation: bool) -> str:
+RENDER_STEPS = 5_000_000  # Python steps one render may take: a loop without bound is stopped, on any machine
+
+
+class _TooLong(Exception):
+    pass
+
+
+def _bounded(fn):
+    """fn() with at most RENDER_STEPS traced steps (calls and lines; Jinja templates compile to Python), in
+    the calling thread: a count, not a clock, so a loaded machine changes nothing."""
+    left = [RENDER_STEPS]
+
+    def tracer(frame, event, arg):
+        left[0] -= 1
+        if left[0] < 0:
+            raise _TooLong
+        return tracer
+    old = sys.gettrace()
+    sys.settrace(tracer)
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+        return fn()
+    finally:
+        sys.settrace(old)
+
+
+def _apply(tokenizer, messages: list[dict], generation: bool) -> str:
+    where = getattr(tokenizer, "amdllm_template_source", "the tokenizer's chat template")
+    try:
+        return _bounded(lambda: tokenizer.apply_chat_template(messages, tokenize=False,
+                                                              add_generation_prompt=generation))
+    except _TooLong:
+        raise TemplateError(f"{where} did not finish rendering one conversation within {RENDER_STEPS:,} "
+                            "steps (a loop without bound?)") from None
     except Exception as e:  # jinja2 errors, raise_exception() in the template
-        raise TemplateError(f"the chat template failed on these messages: {type(e).__name__}: {e}") from None
+        raise TemplateError(f"{where} failed on these messages: {type(e).__name__}: {e}") from None
 
 
 def template_pieces(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:

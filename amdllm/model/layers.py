@@ -23,12 +23,15 @@ def rms_norm(x, weight, eps):
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> jax.Array:
-    """Inverse frequencies [hd/2], with Llama 3.1's frequency-dependent scaling when configured."""
+    """Inverse frequencies [hd/2]: plain, linear (positions slowed by `factor`), or Llama 3.1's
+    frequency-dependent scaling."""
     hd = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
     rs = cfg.rope_scaling
     if rs is None:
         return inv
+    if rs["rope_type"] == "linear":
+        return inv / rs["factor"]
     factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
     old_len = rs["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv

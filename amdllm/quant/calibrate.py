@@ -70,6 +70,13 @@ def attention_plan(groups) -> tuple[list[tuple[bool, bool]], bool]:
     return plan, have
 
 
+def check_samples(samples: int, distinct: int, seq_len: int) -> None:
+    """More windows than the text has distinct ones repeat it and only cost memory: the text bounds the work."""
+    if samples > distinct:
+        raise ValueError(f"--samples {samples}: the calibration text holds only {distinct:,} distinct windows of "
+                         f"{seq_len} tokens; pass --samples {distinct} or fewer, or a longer text")
+
+
 def calibration_windows(token_ids, samples: int, seq_len: int, seed: int = 0) -> np.ndarray:
     """`samples` windows [samples, seq_len] at random starts (reproducible by seed) in a token stream."""
     ids = np.asarray(token_ids, np.int32).reshape(-1)
@@ -78,6 +85,7 @@ def calibration_windows(token_ids, samples: int, seq_len: int, seed: int = 0) ->
     if ids.size < seq_len:
         raise ValueError(f"too few calibration tokens: the text has {ids.size} tokens, one window of "
                          f"--seq-len {seq_len} needs {seq_len}; give a longer --calib file or a smaller --seq-len")
+    check_samples(samples, ids.size - seq_len + 1, seq_len)
     starts = np.random.default_rng(seed).integers(0, ids.size - seq_len + 1, size=samples)
     return np.stack([ids[s:s + seq_len] for s in starts])
 

@@ -75,6 +75,18 @@ def fit_group_size(cfg, group_size: int) -> tuple[int, str | None]:
                     f"using {how}")
 
 
+def check_group_size(cfg, group_size: int, where: str) -> None:
+    """What `quantize` accepts, for every command that plans or runs it: a size GPTQModel allows that
+    divides every projection's in_features (`where` names the model in the error)."""
+    if group_size not in GROUP_SIZES:
+        raise GPTQError(f"--group-size {group_size} is not supported; expected one of {GROUP_SIZES}")
+    fitted, note = fit_group_size(cfg, group_size)
+    if note:
+        raise GPTQError(f"--group-size {group_size} does not divide the in_features {in_features(cfg)} of "
+                        f"{where}'s projections; pass --group-size {fitted}"
+                        + (" (one group per output row)" if fitted == -1 else " (the largest that fits)"))
+
+
 @dataclass
 class QuantResult:
     """One linear, reference orientation: Q and codes [N, K]; scales/zeros [n_g, N]; g_idx [K]."""

@@ -4,8 +4,8 @@
     train.finetune(model, train.data.load_dataset(path, tokenizer, 256), "runs/lora", train.TrainConfig())
 """
 from amdllm.train import data  # noqa: F401
-from amdllm.train.loop import (RESUME_KEYS, finetune, list_checkpoints, load_checkpoint,  # noqa: F401
-                               save_checkpoint, set_lora_copy)
+from amdllm.train.checkpoints import list_checkpoints, load_checkpoint, resumable, save_checkpoint  # noqa: F401
+from amdllm.train.loop import RESUME_KEYS, finetune, set_lora_copy  # noqa: F401
 from amdllm.train.report import plot_loss, read_metrics, task_accuracy  # noqa: F401
 from amdllm.train.step import (TrainConfig, TrainingError, accelerator_name, evaluate_loss,  # noqa: F401
                                flops_per_token, loss_fn, loss_sums, make_eval_step, make_optimizer,

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from amdllm.io.templates import alpaca_pieces, chat_pieces, is_llama3_chat, template_pieces
+from amdllm.files import check_text
+from amdllm.io.templates import TemplateError, alpaca_pieces, chat_pieces, is_llama3_chat, template_pieces
 from amdllm.io.tokenizer import pad_id
 
 
@@ -51,6 +52,8 @@ def read_jsonl(path) -> list[tuple[int, dict]]:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{n}: malformed JSON ({e.msg} at column {e.colno})") from None
+            except RecursionError:
+                raise DataError(f"{path}:{n}: JSON nested too deeply (expected a flat row object)") from None
             if not isinstance(row, dict):
                 raise DataError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
             rows.append((n, row))
@@ -67,6 +70,7 @@ def row_shape(row: dict, where: str) -> str:
             raise DataError(f"{where}: missing field {key!r}")
         if not isinstance(row[key], str):
             raise DataError(f"{where}: field {key!r} must be a string, got {type(row[key]).__name__}")
+        check_text(row[key], f"{where}: field {key!r}", DataError)
     if "messages" in row:
         msgs = row["messages"]
         if not isinstance(msgs, list) or not msgs:
@@ -76,6 +80,7 @@ def row_shape(row: dict, where: str) -> str:
                     or not isinstance(m.get("content"), str):
                 raise DataError(f"{where}: messages[{i}] must be {{'role': system|user|assistant, "
                                 f"'content': str}}, got {m!r}")
+            check_text(m["content"], f"{where}: messages[{i}].content", DataError)
         if not any(m["role"] == "assistant" for m in msgs):
             raise DataError(f"{where}: no assistant message (nothing to train on)")
         return "chat"
@@ -84,6 +89,8 @@ def row_shape(row: dict, where: str) -> str:
         need_str("output")
         if "input" in row and row["input"] is not None and not isinstance(row["input"], str):
             raise DataError(f"{where}: field 'input' must be a string")
+        if row.get("input"):
+            check_text(row["input"], f"{where}: field 'input'", DataError)
         return "alpaca"
     if "text" in row:
         need_str("text")
@@ -245,7 +252,10 @@ def load_dataset(path, tokenizer, seq_len: int, *, pack: bool = True, too_long: 
             unknown.setdefault(k, []).append(n)
         if not _reply_text(row, shape).strip():
             empty.append(n)
-        examples.append(encode_row(row, tokenizer, shape, where))
+        try:
+            examples.append(encode_row(row, tokenizer, shape, where))
+        except TemplateError as e:  # the template's own failure, on this line's conversation
+            raise DataError(f"{where}: {e}") from None
     for k, lines in sorted(unknown.items()):
         warnings.warn(f"{path}:{lines[0]}: field {k!r} is ignored ({len(lines)} row{'s' * (len(lines) > 1)}); "
                       f"rows are read from {', '.join(sorted({f for fs in FIELDS.values() for f in fs}))}",

@@ -6,11 +6,8 @@ metrics.jsonl (one JSON object per logged step and per evaluation) and resumable
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import resource
-import shutil
 import statistics
 import sys
 import time
@@ -20,122 +17,23 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import NamedSharding
-from safetensors import SafetensorError
-from safetensors.numpy import load_file
-from safetensors.numpy import save as st_save
 from tqdm.auto import tqdm
 
-from amdllm.files import atomic_write_bytes, atomic_write_text, remove_stale
+from amdllm.files import atomic_write_text
 from amdllm.io.peft import save_adapter
 from amdllm.model import Llama
 import amdllm.model.lora as lora_mod
 from amdllm.model.narrow import inference_weights
 from amdllm.model.inputs import expect_model
 from amdllm.parallel import distributed
-from amdllm.parallel.sharding import batch_ways, put, shard_model
+from amdllm.parallel.sharding import batch_ways, shard_model
 import amdllm.train.data as data_mod
+from amdllm.train.checkpoints import (check_run_dir, data_fingerprint, list_checkpoints, load_latest,
+                                      remove_leftovers, save_checkpoint)
 from amdllm.train.report import task_accuracy
 from amdllm.train.step import (TrainConfig, TrainingError, evaluate_loss, flops_per_token, init_opt_state,
                                make_eval_step, make_optimizer, make_train_step, peak_flops, place_batch,
                                split_params, stack_batch)
-
-
-# --------------------------------------------------------------------------------------------------
-# Checkpoints: OUT/checkpoints/step_000123/{state.safetensors, state.json}, renamed into place
-# --------------------------------------------------------------------------------------------------
-def _ckpt_dir(out: Path) -> Path:
-    return out / "checkpoints"
-
-
-def list_checkpoints(out) -> list[Path]:
-    d = _ckpt_dir(Path(out))
-    found = [p for p in d.glob("step_*") if p.is_dir() and (p / "state.json").is_file()] if d.is_dir() else []
-    return sorted(found, key=lambda p: int(p.name.split("_")[1]))
-
-
-def save_checkpoint(out, step: int, lora: dict, opt_state, meta: dict, keep: int) -> Path:
-    """Write the resumable state as a directory renamed into place (a crash never leaves half of one).
-    lora and opt_state as host arrays (`distributed.gather` them first when they live on a mesh)."""
-    final = _ckpt_dir(Path(out)) / f"step_{step:06d}"
-    tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    tensors = {f"lora/{k}": np.asarray(v) for k, v in lora.items()}
-    tensors.update({f"opt/{i:05d}": np.asarray(v) for i, v in enumerate(jax.tree.leaves(opt_state))})
-    atomic_write_bytes(tmp / "state.safetensors", st_save(tensors))
-    atomic_write_text(tmp / "state.json", json.dumps({**meta, "step": step}, indent=2) + "\n")
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    for old in list_checkpoints(out)[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def load_checkpoint(path: Path, lora_template: dict, opt_template) -> tuple[dict, object, dict]:
-    """(lora, opt_state, meta), the arrays placed like the templates' (on a mesh: each process puts only
-    the blocks its devices hold)."""
-    try:
-        t = load_file(str(path / "state.safetensors"))
-        meta = json.loads((path / "state.json").read_text())
-    except (OSError, ValueError, SafetensorError) as e:
-        raise CheckpointUnreadable(f"{path / 'state.safetensors'}: unreadable ({str(e).splitlines()[0]})") \
-            from None
-    lora = {}
-    for k, v in lora_template.items():
-        if f"lora/{k}" not in t or t[f"lora/{k}"].shape != v.shape:
-            raise TrainingError(f"{path}: LoRA tensor {k} missing or of another shape; the checkpoint "
-                                "was written with other LoRA settings")
-        lora[k] = _place(t[f"lora/{k}"], v)
-    leaves, treedef = jax.tree.flatten(opt_template)
-    opt = [_place(t[f"opt/{i:05d}"], leaves[i]) for i in range(len(leaves)) if f"opt/{i:05d}" in t]
-    if len(opt) != len(leaves) or any(a.shape != b.shape for a, b in zip(opt, leaves)):
-        raise TrainingError(f"{path}: optimizer state does not match this optimizer")
-    return lora, jax.tree.unflatten(treedef, opt), meta
-
-
-class CheckpointUnreadable(TrainingError):
-    """A checkpoint whose files cannot be read (cut short by a crash or a full disk)."""
-
-
-def load_latest(out: Path, lora_template: dict, opt_template):
-    """The newest readable checkpoint: (path, lora, opt_state, meta); an unreadable one is named in a
-    warning and the one before it is used."""
-    found = list_checkpoints(out)
-    for path in reversed(found):
-        try:
-            return (path, *load_checkpoint(path, lora_template, opt_template))
-        except CheckpointUnreadable as e:
-            warnings.warn(f"{e}; resuming from the checkpoint before it", stacklevel=2)
-    raise TrainingError(f"{_ckpt_dir(out)}: none of its {len(found)} checkpoints can be read; remove that "
-                        "directory to start the run again")
-
-
-def remove_leftovers(out: Path) -> None:
-    """Partial writes a killed run left: checkpoint directories of processes no longer running, and the
-    temporary files `files.atomic_path` renames into place."""
-    remove_stale(_ckpt_dir(out).glob(".tmp-step_*-*"))
-    for tmp in [*out.glob(".*.tmp"), *_ckpt_dir(out).glob("step_*/.*.tmp")]:
-        tmp.unlink(missing_ok=True)
-
-
-def check_run_dir(out, steps: int, resume: bool) -> None:
-    """The refusals `finetune` makes about OUT's earlier run, early (before a model is loaded): checkpoints
-    without resume, and a finished run asked to resume."""
-    found = list_checkpoints(out)
-    if found and not resume:
-        raise TrainingError(f"{out}: holds checkpoints of an earlier run; pass resume=True (--resume) "
-                            "or use a fresh output directory")
-    if found and (Path(out) / "adapter_config.json").is_file():
-        try:
-            step = json.loads((found[-1] / "state.json").read_text()).get("step", 0)
-        except (OSError, ValueError):
-            return  # an unreadable checkpoint: the loop falls back past it and says so
-        if step >= steps:
-            raise TrainingError(f"{found[-1]}: this run already finished its {steps} steps; nothing to resume "
-                                f"(its adapter is in {out})")
 
 
 def check_batch_splits(batch_size: int, mesh, rules=None) -> None:
@@ -143,19 +41,6 @@ def check_batch_splits(batch_size: int, mesh, rules=None) -> None:
         raise TrainingError(f"--batch-size {batch_size} does not split over the mesh's "
                             f"{batch_ways(mesh, rules)} batch shards ({dict(mesh.shape)}): pass a multiple of "
                             f"{batch_ways(mesh, rules)}, or a --mesh with fewer data/fsdp devices")
-
-
-def data_fingerprint(ds: data_mod.Dataset) -> str:
-    """sha256 of the laid-out rows: a resume on other data (even with the same row count) is refused."""
-    h = hashlib.sha256()
-    for k in ("tokens", "targets", "weights", "segment_ids", "positions"):
-        h.update(np.ascontiguousarray(getattr(ds, k)).tobytes())
-    return h.hexdigest()
-
-
-def _place(host: np.ndarray, like):
-    sh = getattr(like, "sharding", None)
-    return put(host, sh) if isinstance(sh, NamedSharding) else jnp.asarray(host)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -284,8 +169,9 @@ def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig 
         if not bool(m["ok"]):
             write_metrics()
             where = f"last good checkpoint: {last_ckpt}" if last_ckpt else "no checkpoint was written yet"
-            raise TrainingError(f"non-finite loss ({loss}) or gradient norm ({float(m['grad_norm'])}) at step "
-                                f"{step + 1}; stopped without applying it ({where})")
+            raise TrainingError(f"non-finite loss ({loss}), gradient norm ({float(m['grad_norm'])}) or update "
+                                f"norm ({float(m['update_norm'])}, --lr {tc.lr:g}) at step {step + 1}; stopped "
+                                f"without applying it ({where})")
         positions = global_batch * tc.seq_len
         if step > start:  # the first step's time includes the batch's first transfer
             tok_s = positions / dt

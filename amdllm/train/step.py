@@ -142,10 +142,12 @@ def make_train_step(model: Llama, optimizer: optax.GradientTransformation, full:
         gnorm = optax.global_norm(grads)
         updates, new_opt = optimizer.update(grads, opt_state, trained)
         new_trained = optax.apply_updates(trained, updates)
-        ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)  # a bad step changes nothing
+        unorm = optax.global_norm(updates)  # finite gradients can still give an update that overflows (--lr)
+        ok = jnp.isfinite(loss) & jnp.isfinite(gnorm) & jnp.isfinite(unorm)  # a bad step changes nothing
         keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
         new_trained, new_opt = jax.tree.map(keep, new_trained, trained), jax.tree.map(keep, new_opt, opt_state)
-        return new_trained, new_opt, {"loss": loss, "grad_norm": gnorm, "ok": ok, "weight": total_w}
+        return new_trained, new_opt, {"loss": loss, "grad_norm": gnorm, "update_norm": unorm, "ok": ok,
+                                           "weight": total_w}
 
     return jax.jit(step, donate_argnums=(0, 1))
 

@@ -41,10 +41,12 @@ def copy_model(tiny: dict, dest: Path) -> Path:
     return dest
 
 
-def amdllm(*args, timeout: float = 300, preexec_fn=None, env=None) -> subprocess.CompletedProcess:
-    """The `amdllm` command, as a user runs it (a fresh process)."""
-    return subprocess.run([sys.executable, "-m", "amdllm.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, preexec_fn=preexec_fn, env={**os.environ, **(env or {})})
+def amdllm(*args, timeout: float = 300, preexec_fn=None, env=None, raw: bool = False) -> subprocess.CompletedProcess:
+    """The `amdllm` command, as a user runs it (a fresh process); raw=True: `args` is the whole command line
+    (e.g. `amdllm` under strace)."""
+    cmd = [*map(str, args)] if raw else [sys.executable, "-m", "amdllm.cli", *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, preexec_fn=preexec_fn,
+                          env={**os.environ, **(env or {})})
 
 
 def one_line_error(p: subprocess.CompletedProcess, *culprits: str) -> str:

@@ -32,6 +32,47 @@ def test_out_equal_to_the_model_is_refused_even_with_overwrite(cmd, tiny, model)
     assert digest(model) == before
 
 
+@pytest.mark.parametrize("cmd", ["quantize", "convert", "finetune"])
+def test_out_around_or_inside_the_model_is_refused_even_with_overwrite(cmd, tiny, tmp_path):
+    """The parent of --model (it holds the model) and a folder inside --model: containment either way."""
+    parent = tmp_path / "parent"
+    model = copy_model(tiny, parent / "model")
+    (parent / "notes.txt").write_text("the user's own file beside the model")
+    before = digest(parent)
+    extra = {"quantize": QUANT, "convert": [], "finetune": ["--data", tiny["data"], "--steps", "1"]}[cmd]
+    flags = [] if cmd == "convert" else ["--overwrite"]
+    one_line_error(amdllm(cmd, "--model", model, "--out", parent, *extra, *flags), "--out", "holds an input",
+                   "--model")
+    one_line_error(amdllm(cmd, "--model", model, "--out", model / "out", *extra, *flags), "--out",
+                   "lies inside an input", "--model")
+    assert digest(parent) == before
+
+
+def test_an_out_that_holds_the_calibration_text_is_refused(tiny, model, tmp_path):
+    out = tmp_path / "q"
+    out.mkdir()
+    calib = out / "calib.txt"
+    calib.write_text(tiny["text"].read_text())
+    before = digest(out)
+    one_line_error(amdllm("quantize", "--model", model, "--out", out, "--calib", calib, "--group-size", "32",
+                          "--samples", "2", "--seq-len", "16", "--overwrite"), "--out", "--calib")
+    assert digest(out) == before
+
+
+@pytest.mark.parametrize("flag", ["--data", "--eval-data", "--chat-template"])
+def test_finetune_never_writes_into_the_folder_of_its_data_or_template(flag, tiny, model, tmp_path):
+    """A run's folder that holds the data (--data R/metrics.jsonl --out R --overwrite), or the template."""
+    run = tmp_path / "run"
+    run.mkdir()
+    held = run / ("template.jinja" if flag == "--chat-template" else "rows.jsonl")
+    held.write_text("{{ messages[0]['content'] }}" if flag == "--chat-template" else tiny["data"].read_text())
+    before = digest(run)
+    data = [] if flag == "--data" else ["--data", tiny["data"]]
+    one_line_error(amdllm("finetune", "--model", model, *data, flag, held, "--out", run, "--steps", "1",
+                          "--overwrite"), "--out", flag)
+    assert digest(run) == before
+
+
 def test_an_earlier_quantized_result_is_kept_unless_overwrite(tiny, model, tmp_path):
     out = tmp_path / "q"
     assert amdllm("quantize", "--model", model, "--out", out, *QUANT).returncode == 0

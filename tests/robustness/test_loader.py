@@ -147,3 +147,70 @@ def test_tokenizer_with_ids_beyond_the_model_vocabulary_is_refused(tiny, tmp_pat
     one_line_error(amdllm("eval", "--model", d, "--text", tiny["text"]), "outside the model's vocabulary [0, 64)")
     one_line_error(amdllm("finetune", "--model", d, "--data", tiny["data"], "--out", tmp_path / "run",
                           "--steps", "1"), "training data", "outside the model's vocabulary [0, 64)")
+
+
+@pytest.fixture(scope="module")
+def gptq(tiny, tmp_path_factory):
+    """The tiny model quantized by `amdllm quantize` (RTN: seconds): a GPTQ checkpoint to break."""
+    out = tmp_path_factory.mktemp("gptq") / "q"
+    p = amdllm("quantize", "--model", tiny["model"], "--out", out, "--method", "rtn", "--group-size", "32")
+    assert p.returncode == 0, p.stderr[-2000:]
+    return out
+
+
+def broken_gptq(gptq, tmp_path, edit):
+    d = shutil.copytree(gptq, tmp_path / "q")
+    t = stn.load_file(str(d / "model.safetensors"))
+    edit(t)
+    stn.save_file(t, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return d
+
+
+Q = "model.layers.0.self_attn.q_proj"
+GPTQ_CASES = {  # the tensors edited -> what the line names
+    "a float qweight (never cast)": (lambda t: t.__setitem__(f"{Q}.qweight", t[f"{Q}.qweight"].astype(np.float32)),
+                                     [f"{Q}.qweight", "float32", "expected integers"]),
+    "a float g_idx (never truncated)": (lambda t: t.__setitem__(f"{Q}.g_idx", t[f"{Q}.g_idx"] + np.float32(0.5)),
+                                        [f"{Q}.g_idx", "expected integers"]),
+    "a q_proj.bias the config lacks": (lambda t: t.__setitem__(f"{Q}.bias", np.zeros(64, np.float16)),
+                                       [f"{Q}.bias", "unexpected tensors"]),
+    "a layer the config lacks": (lambda t: t.__setitem__("model.layers.9.input_layernorm.weight",
+                                                         np.ones(64, np.float16)),
+                                 ["model.layers.9.input_layernorm.weight", "unexpected tensors"]),
+    "NaN scales": (lambda t: t[f"{Q}.scales"].__setitem__((0, 0), np.nan), [f"{Q}.scales", "NaN"]),
+    "NaN embeddings": (lambda t: t["model.embed_tokens.weight"].__setitem__((3, 3), np.nan),
+                       ["model.embed_tokens.weight", "NaN"]),
+}
+
+
+@pytest.mark.parametrize("case", list(GPTQ_CASES))
+def test_a_gptq_checkpoint_is_checked_as_a_dense_one(case, tiny, gptq, tmp_path):
+    """The dense loader's rules (dtypes, shapes, finiteness, nothing the config does not name) hold for a
+    GPTQ checkpoint too, where each had given a silently different model."""
+    edit, named = GPTQ_CASES[case]
+    d = broken_gptq(gptq, tmp_path, edit)
+    one_line_error(amdllm("eval", "--model", d, "--text", tiny["text"]), *named)
+
+
+@pytest.mark.parametrize("what", ["dense", "gptq"])
+def test_a_config_claiming_millions_of_layers_is_refused_at_once(what, tiny, gptq, tmp_path):
+    """num_hidden_layers 2e7 over a file with 2 layers: the names decide, before any per-layer table."""
+    d = shutil.copytree(tiny["model"] if what == "dense" else gptq, tmp_path / what)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 20_000_000}))
+    one_line_error(amdllm("eval", "--model", d, "--text", tiny["text"], timeout=60),
+                   "num_hidden_layers=20000000", "layers 0-1")
+
+
+def test_an_index_that_names_the_wrong_shard_is_refused(tiny, tmp_path):
+    ckpt, _ = make_hf_checkpoint(tmp_path, max_shard_size="20KB", vocab_size=320)
+    for f in tiny["model"].glob("tokenizer*"):
+        shutil.copyfile(f, ckpt / f.name)
+    index = ckpt / "model.safetensors.index.json"
+    idx = json.loads(index.read_text())
+    names = sorted(idx["weight_map"])
+    a, b = names[0], next(n for n in names if idx["weight_map"][n] != idx["weight_map"][names[0]])
+    idx["weight_map"][a] = idx["weight_map"][b]  # a's entry names b's shard, which does not hold a
+    index.write_text(json.dumps(idx))
+    one_line_error(amdllm("eval", "--model", ckpt, "--text", tiny["text"]), "model.safetensors.index.json", a,
+                   "does not contain it")

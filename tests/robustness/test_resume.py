@@ -3,6 +3,7 @@ full disk leaves behind never loses a finished step. Through `amdllm finetune` i
 import json
 import os
 import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -78,3 +79,52 @@ def test_a_cut_checkpoint_falls_back_to_the_one_before_and_loses_nothing(tiny, r
         np.testing.assert_array_equal(ours[k], ref[k], err_msg=k)  # bit-exact: the step was redone
     assert not dead.exists() and not list(out.glob(".*.tmp"))
     assert sorted(os.listdir(out / "checkpoints")) == ["step_000001", "step_000002"]
+
+
+RENAMES = "rename,renameat,renameat2"
+
+
+def traced_renames(log) -> list[str]:
+    """The destination of every rename a traced run made, in order (strace -o LOG lines)."""
+    out = []
+    for ln in log.read_text().splitlines():
+        if "rename" in ln and "= 0" in ln:
+            out.append(ln.split('"')[-2])  # the last quoted path: the destination
+    return out
+
+
+@pytest.fixture(scope="module")
+def traced(tiny, tmp_path_factory):
+    """The uninterrupted run under strace: the renames it makes (each a point a kill can land at) and its
+    adapter, the reference every resumed run must equal bit for bit."""
+    if shutil.which("strace") is None:
+        pytest.skip("strace is not installed (apt install strace): the kill cannot be injected")
+    root = tmp_path_factory.mktemp("killed")
+    out, log = root / "ref", root / "strace.log"
+    p = amdllm("strace", "-f", "-qq", "-e", f"trace={RENAMES}", "-o", log, sys.executable, "-m", "amdllm.cli",
+               "finetune", "--model", tiny["model"], "--data", tiny["data"], "--out", out, *RUN, raw=True)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return traced_renames(log), stn.load_file(str(out / "adapter_model.safetensors"))
+
+
+@pytest.mark.parametrize("at", ["the first rename", "the first checkpoint's rename", "the adapter's rename"])
+def test_a_run_killed_at_a_rename_resumes_bit_exact(at, tiny, traced, tmp_path):
+    """SIGKILL at the k-th rename (strace's fault injection): before anything is saved, as the first
+    checkpoint appears, and as the adapter is written. `--resume` then finishes the run, and its adapter
+    equals the uninterrupted run's."""
+    renames, ref = traced
+    k = {"the first rename": 1,
+         "the first checkpoint's rename": next(i for i, d in enumerate(renames, 1) if d.endswith("step_000001")),
+         "the adapter's rename": next(i for i, d in enumerate(renames, 1)
+                                      if d.endswith("adapter_model.safetensors"))}[at]
+    out = tmp_path / "run"
+    p = amdllm("strace", "-f", "-qq", "-o", os.devnull, "-e", f"trace={RENAMES}", "-e",
+               f"inject={RENAMES}:signal=KILL:when={k}", sys.executable, "-m", "amdllm.cli", "finetune",
+               "--model", tiny["model"], "--data", tiny["data"], "--out", out, *RUN, raw=True)
+    assert p.returncode != 0 and out.is_dir(), f"the kill at rename {k} did not land: {p.stderr[-500:]}"
+    p = finetune(tiny, out, "--resume")
+    assert p.returncode == 0, p.stderr[-2000:]
+    ours = stn.load_file(str(out / "adapter_model.safetensors"))
+    assert ours.keys() == ref.keys()
+    for name in ref:
+        np.testing.assert_array_equal(ours[name], ref[name], err_msg=name)
