@@ -74,6 +74,17 @@ def test_eval_names_the_text_it_measured(ckpt, capfd):
     assert "of the course's held-out stories (" in out and "corpus_heldout.txt" in out
 
 
+def test_quantize_names_the_text_it_calibrated_on(ckpt, tmp_path, capfd):
+    """As eval: a user's model quantized without --calib is calibrated on the course stories, and the
+    command says so on stderr; the report names the file."""
+    d, _, _ = ckpt
+    assert cli.main(["quantize", "--model", str(d), "--out", str(tmp_path / "q"), "--bits", "4",
+                     "--group-size", "32", "--samples", "8", "--seq-len", "32", "--json"]) == 0
+    out, err = capfd.readouterr()
+    assert "no --calib given: calibrating on the course's stories" in err and "corpus_train.txt" in err
+    assert json.loads(out.strip().splitlines()[-1])["calibration"]["calib"].endswith("corpus_train.txt")
+
+
 def test_eval_with_peft_adapter_and_bf16(ckpt, tmp_path, capfd):
     """--adapter applies a PEFT-written LoRA adapter: perplexity equals peft's model; --dtype bfloat16
     stays within 2% of float32."""

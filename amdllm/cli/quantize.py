@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -49,6 +50,9 @@ def run_quantize(args) -> dict:
             calib = Path(args.calib) if args.calib else course.data_dir() / "corpus_train.txt"
             if not calib.is_file():
                 raise FileNotFoundError(f"--calib {calib}: file not found")
+            if args.calib is None and args.model is not None:  # as eval: a user's model on our stories
+                print(f"amdllm quantize: no --calib given: calibrating on the course's stories ({calib}); "
+                      "pass --calib FILE with text like your model's own use", file=sys.stderr)
             texts, rule, calib_report = [read_text(calib)], "wikitext2", {"calib": str(calib)}
         windows, report = calib_windows(texts, encoder(model_dir), args.samples, args.seq_len, args.seed,
                                         args.protocol, rule)
