@@ -38,6 +38,14 @@ def dense_config(path: Path, role: str) -> tuple[dict, LlamaConfig]:
     return raw, LlamaConfig.from_dict(raw, source=str(path / "config.json"))  # names the file and the setting
 
 
+def check_cast(out: np.ndarray, a: np.ndarray, name: str, src: Path) -> None:
+    """Refuse a cast that made finite weights infinite (float16 ends at 65504, bfloat16 does not)."""
+    if out.dtype != a.dtype and not np.isfinite(out).all() and np.isfinite(a).all():
+        raise CheckpointError(f"{src}: tensor {name} holds values up to {float(np.abs(a).max()):.4g}, beyond "
+                              f"{out.dtype.name}'s range: --dtype {out.dtype.name} would write inf (use "
+                              "bfloat16 or float32)")
+
+
 def check_delta(delta: TensorSource, base: TensorSource, names: list[str]) -> None:
     """Every delta tensor has a base tensor of the same shape, except that the vocabulary tensors may
     have more rows in the delta. One error naming the first tensor and file at fault."""
@@ -94,7 +102,9 @@ def convert(src, out, *, dtype: str | None = None, allow_pickle: bool = False, d
         def fetch():  # called by the writer just before tensor n's bytes are written
             try:  # a copy in the output dtype (one tensor in memory), so that the source pages can go
                 a = apply_delta(source.get(n), base.get(n)) if base is not None else source.get(n)
-                return a.astype(out_dt, copy=base is None)  # a delta result is already a fresh array
+                out_a = a.astype(out_dt, copy=base is None)  # a delta result is already a fresh array
+                check_cast(out_a, a, n, src)
+                return out_a
             finally:  # the file pages this tensor touched go back (they would count in the resident size)
                 source.release(n)
                 if base is not None:

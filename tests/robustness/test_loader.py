@@ -103,6 +103,24 @@ def test_nan_or_inf_weights_are_refused_naming_the_tensor(bad_value, tiny, tmp_p
         assert p.stdout == ""  # --json prints nothing rather than a non-JSON NaN
 
 
+def test_convert_to_float16_refuses_weights_beyond_its_range(tiny, tmp_path):
+    """float16 ends at 65504: a bf16 weight of 1e5 would be written as inf, so the tensor is named instead."""
+    import ml_dtypes
+    d = copy_model(tiny, tmp_path / "m")
+    t = stn.load_file(str(d / "model.safetensors"))
+    t = {k: v.astype(ml_dtypes.bfloat16) for k, v in t.items()}
+    t["model.layers.0.self_attn.o_proj.weight"][2, 7] = 1e5
+    stn.save_file(t, str(d / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "bfloat16"}))
+    out = tmp_path / "f16"
+    one_line_error(amdllm("convert", "--model", d, "--out", out, "--dtype", "float16"),
+                   "model.layers.0.self_attn.o_proj.weight", "float16", "inf")
+    assert not out.exists()
+    ok = amdllm("convert", "--model", d, "--out", tmp_path / "f32", "--dtype", "float32")  # a wide dtype is fine
+    assert ok.returncode == 0, ok.stderr[-1000:]
+
+
 @pytest.fixture(scope="module")
 def adapter(tiny, tmp_path_factory):
     """A PEFT adapter of the tiny model, written by our save_adapter (peft's format)."""
