@@ -52,13 +52,17 @@ def read_checkpoint_tensors(path: Path) -> dict[str, np.ndarray]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise QuantFormatError(f"{path}: no *.safetensors files")
-    tensors = {}
+    tensors, where = {}, {}
     for f in files:
         try:
             st = SafetensorsFile(f)
         except CheckpointError as e:
             raise QuantFormatError(str(e)) from None
-        tensors.update({name: st.get(name) for name in st.tensors})
+        for name in st.tensors:
+            if name in where:  # a stray copy: neither file may silently win
+                raise QuantFormatError(f"{path}: tensor {name} is in both {where[name]} and {f.name}; a "
+                                       "checkpoint directory holds one copy of each tensor (remove the stray file)")
+            where[name], tensors[name] = f.name, st.get(name)
     return tensors
 
 

@@ -232,3 +232,13 @@ def test_an_index_that_names_the_wrong_shard_is_refused(tiny, tmp_path):
     index.write_text(json.dumps(idx))
     one_line_error(amdllm("eval", "--model", ckpt, "--text", tiny["text"]), "model.safetensors.index.json", a,
                    "does not contain it")
+
+
+def test_a_stray_second_safetensors_file_in_a_gptq_directory_is_refused(tiny, gptq, tmp_path):
+    """A leftover copy with other values beside model.safetensors: neither may silently win."""
+    d = shutil.copytree(gptq, tmp_path / "q")
+    t = stn.load_file(str(d / "model.safetensors"))
+    stray = {"model.norm.weight": t["model.norm.weight"] * 2}
+    stn.save_file(stray, str(d / "zz-old.safetensors"), metadata={"format": "pt"})
+    one_line_error(amdllm("eval", "--model", d, "--text", tiny["text"]), "model.norm.weight",
+                   "model.safetensors", "zz-old.safetensors", "stray")
