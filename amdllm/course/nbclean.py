@@ -51,7 +51,12 @@ def strip(paths: list[str] | None = None, check: bool = False) -> dict[str, list
 
     found = {}
     for path in notebook_paths(paths):
-        nb = nbformat.read(path, as_version=4)
+        if not Path(path).is_file():
+            raise ValueError(f"{path}: no such notebook file")
+        try:
+            nb = nbformat.read(path, as_version=4)
+        except (ValueError, KeyError, AttributeError) as e:  # nbformat's NotJSONError is a ValueError
+            raise ValueError(f"{path}: not a Jupyter notebook ({str(e).splitlines()[0][:120]})") from None
         problems = dirty_cells(nb)
         if problems:
             found[str(path)] = problems

@@ -369,15 +369,20 @@ def main(argv: list[str] | None = None) -> int:
         try:
             recs = run(args.out, quick=args.quick, only=args.only.split(",") if args.only else None,
                        timeout=args.timeout, parameters=parse_params(args.param), compile_cache=cache)
-        except (ValueError, FileNotFoundError) as e:
-            print(f"amdllm.course.notebooks: error: {e}", file=sys.stderr)
+        except (ValueError, OSError) as e:  # a bad --only or --param, an --out that cannot be written
+            why = f"{e.filename}: {e.strerror} (--out {args.out})" if getattr(e, "filename", None) else e
+            print(f"amdllm.course.notebooks: error: {why}", file=sys.stderr)
             return 2
         print(json.dumps(recs, default=str) if args.json else summary_text(recs))
         return 0 if all(r["ok"] for r in recs) else 1
     if args.cmd == "kernel":
         print(f"kernel '{KERNEL_NAME}' ({sys.executable}) in {ensure_kernel()}")
         return 0
-    found = strip(args.paths or None, check=args.check)
+    try:
+        found = strip(args.paths or None, check=args.check)
+    except (ValueError, OSError) as e:
+        print(f"amdllm.course.notebooks: error: {e}", file=sys.stderr)
+        return 2
     for path, problems in found.items():
         print(f"{path}: {'; '.join(problems[:5])}{' ...' if len(problems) > 5 else ''}")
     if args.check:
