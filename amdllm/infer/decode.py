@@ -83,7 +83,8 @@ def sample_rows(logits, keys, temperature, top_p, mode: str = "nucleus"):
         desc = -jnp.sort(-scaled, axis=-1)
         probs = jax.nn.softmax(desc, axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs                         # mass strictly above
-        keep = (before < top_p[:, None]) | (top_p[:, None] >= 1.0)          # first token: before=0
+        first = jnp.arange(desc.shape[-1]) == 0  # always kept: a top_p that rounds to 0 in float32 keeps it
+        keep = (before < top_p[:, None]) | (top_p[:, None] >= 1.0) | first
         cutoff = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)  # smallest kept logit
         scaled = jnp.where(scaled >= cutoff, scaled, -jnp.inf)
     tok = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)

@@ -234,3 +234,14 @@ def test_a_lone_surrogate_is_400_in_openai_shape(server, path, body):
     error_of(r, 400, "invalid_value")
     assert "lone surrogate" in r.json()["error"]["message"]
     good(server)
+
+
+def test_a_top_p_below_float32s_range_keeps_the_most_likely_token(server):
+    """top_p 1e-300 is 0 in float32: the nucleus is still the most likely token, so sampling at any
+    temperature gives the greedy answer (it had given token 0, every time)."""
+    ask = {"prompt": "the cat", "max_tokens": 8, "seed": 3}
+    greedy = httpx.post(server.url + "/v1/completions", json={**ask, "temperature": 0}, timeout=60)
+    tiny_p = httpx.post(server.url + "/v1/completions", json={**ask, "temperature": 1.5, "top_p": 1e-300},
+                        timeout=60)
+    assert greedy.status_code == tiny_p.status_code == 200, tiny_p.text
+    assert tiny_p.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
