@@ -142,6 +142,29 @@ def data_fingerprint(ds: data_mod.Dataset) -> str:
     return h.hexdigest()
 
 
+def model_fingerprint(model, frozen) -> dict:
+    """What a resume must find unchanged in the model: its config, its weights' dtypes, and (in one
+    process) a sha256 of the first row of every frozen weight, so another checkpoint of the same shape
+    is told apart without reading it all."""
+    leaves = jax.tree.leaves(frozen)
+    out = {"config": model.cfg.to_dict(), "dtypes": sorted({str(x.dtype) for x in leaves}),
+           "compute_dtype": str(model.dtype), "sample_sha256": None}
+    if jax.process_count() == 1:  # a slice of a global array is addressable only in one process
+        h = hashlib.sha256()
+        for x in leaves:
+            h.update(np.ascontiguousarray(np.asarray(x[(0,) * (x.ndim - 1)][:64] if x.ndim else x)).tobytes())
+        out["sample_sha256"] = h.hexdigest()
+    return out
+
+
+def model_changes(saved: dict | None, now: dict) -> list[str]:
+    """Which of the fingerprint's parts differ (none for a checkpoint written before it was recorded)."""
+    if not saved:
+        return []
+    return [k for k in ("config", "dtypes", "compute_dtype", "sample_sha256")
+            if saved.get(k) is not None and now.get(k) is not None and saved.get(k) != now.get(k)]
+
+
 def _place(host: np.ndarray, like):
     sh = getattr(like, "sharding", None)
     return put(host, sh) if isinstance(sh, NamedSharding) else jnp.asarray(host)

@@ -29,7 +29,7 @@ from amdllm.parallel import distributed
 from amdllm.parallel.sharding import batch_ways, shard_model
 import amdllm.train.data as data_mod
 from amdllm.train.checkpoints import (check_run_dir, data_fingerprint, list_checkpoints, load_latest,
-                                      remove_leftovers, save_checkpoint)
+                                      model_changes, model_fingerprint, remove_leftovers, save_checkpoint)
 from amdllm.train.report import task_accuracy
 from amdllm.train.step import (TrainConfig, TrainingError, evaluate_loss, flops_per_token, init_opt_state,
                                make_eval_step, make_optimizer, make_train_step, peak_flops, place_batch,
@@ -80,6 +80,7 @@ def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig 
     if mesh is not None:
         shard_model(model, mesh, rules)  # a no-op for what was loaded or created in place
     lora, frozen = split_params(model)
+    model_fp = model_fingerprint(model, frozen)  # the weights as loaded, before any backend's views
     # a narrow frozen base travels as bits on a CPU (one layer widened at a time; amdllm.model.narrow)
     top, layers = inference_weights({k: v for k, v in frozen.items() if k != "layers"}, frozen.get("layers", {}))
     frozen = {**top, "layers": layers} if frozen else frozen
@@ -89,7 +90,8 @@ def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig 
     n_dev = 1 if mesh is None else mesh.size
     info = lora_mod.lora_info(model)
     meta = {"train_config": asdict(tc), "lora": {**info, "targets": list(info["targets"])},
-            "data": {"rows": len(train_ds), **train_ds.stats, "sha256": data_fingerprint(train_ds)}}
+            "data": {"rows": len(train_ds), **train_ds.stats, "sha256": data_fingerprint(train_ds)},
+            "model": model_fp}
     start, metrics_lines = 0, []
     metrics_path = out / "metrics.jsonl"
     if lead:
@@ -103,6 +105,9 @@ def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig 
         if saved["data"].get("sha256") != meta["data"]["sha256"]:
             diff["data"] = (f"{saved['data']['rows']} rows, sha256 {str(saved['data'].get('sha256'))[:12]}",
                             f"{len(train_ds)} rows, sha256 {meta['data']['sha256'][:12]}")
+        changed = model_changes(saved.get("model"), meta["model"])
+        if changed:
+            diff["model"] = f"its {', '.join(changed)} differ from the run's (another --model or --dtype?)"
         if diff:
             raise TrainingError(f"{last}: cannot resume with different {', '.join(diff)} (saved, new: "
                                 f"{diff}); resume needs the same data, LoRA and training settings")

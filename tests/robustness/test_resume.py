@@ -48,6 +48,21 @@ def test_resume_with_other_settings_is_refused(tiny, run, tmp_path):
     one_line_error(finetune(tiny, out, "--resume", "--lr", "0.01"), "cannot resume with different lr")
 
 
+def test_resume_with_another_model_or_dtype_is_refused(tiny, run, tmp_path):
+    """Same shape, other weights: the sample of every weight's first row tells them apart; and --dtype."""
+    from tests.tiny import make_hf_checkpoint
+    other, _ = make_hf_checkpoint(tmp_path, name="other", vocab_size=320, bos_token_id=0, eos_token_id=1,
+                                  pad_token_id=2, max_position_embeddings=128, seed=7)
+    for f in [*tiny["model"].glob("tok*.json"), tiny["model"] / "special_tokens_map.json"]:
+        shutil.copy(f, other / f.name)
+    out = copy_run(run, tmp_path / "run")
+    (out / "adapter_config.json").unlink()
+    p = amdllm("finetune", "--model", other, "--data", tiny["data"], "--out", out, *RUN, "--resume")
+    one_line_error(p, "cannot resume with different model", "sample_sha256")
+    one_line_error(finetune(tiny, out, "--resume", "--dtype", "bfloat16"), "cannot resume with different model",
+                   "dtypes")
+
+
 def test_resume_on_a_finished_run_is_one_line(tiny, run, tmp_path):
     out = copy_run(run, tmp_path / "run")
     one_line_error(finetune(tiny, out, "--resume"), "already finished its 2 steps")
