@@ -31,7 +31,7 @@ def emit(obj: dict, as_json: bool, human: str | None = None) -> None:
 def model_dir(arg: str | None) -> Path:
     """--model: the directory given, else the embedded default model (built on first use). A GGUF file
     is refused with the one command that makes it a directory (commands read directories, convert files)."""
-    if arg is not None and (Path(arg).suffix.lower() == ".gguf" or is_gguf(arg)):
+    if arg is not None and is_gguf(arg):
         raise ValueError(f"--model {arg}: a GGUF file; `amdllm convert --model {arg} --out DIR` writes it "
                          "as a checkpoint directory, which this command reads")
     return Path(arg) if arg is not None else default_model_dir()

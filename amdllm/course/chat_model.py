@@ -31,7 +31,10 @@ def chat_gguf() -> Path:
 
 def chat_model_dir(build: bool = True) -> Path:
     """The converted checkpoint directory (converted from `chat_gguf()` on first use)."""
-    version = importlib.metadata.version(DIST) if _installed() else "missing"
+    try:
+        version = importlib.metadata.version(DIST)
+    except importlib.metadata.PackageNotFoundError:
+        version = "missing"  # chat_gguf() below says how to install it
     target = amdllm_home() / f"smollm2-135m-instruct-{version}"
     if (target / "config.json").is_file() or not build:
         return target
@@ -40,11 +43,3 @@ def chat_model_dir(build: bool = True) -> Path:
         if not (target / "config.json").is_file():  # another process may have converted it meanwhile
             convert(src, target, dtype="float32")
     return target
-
-
-def _installed() -> bool:
-    try:
-        importlib.metadata.distribution(DIST)
-        return True
-    except importlib.metadata.PackageNotFoundError:
-        return False

@@ -202,7 +202,7 @@ def load(path, *, dtype=jnp.float32, compute_dtype=None, mesh=None, rules=None, 
     (a `quantization_config` in config.json) are handed to `amdllm.io.gptq_format.load_quantized`.
     """
     path = Path(path)
-    if path.suffix.lower() == ".gguf" or is_gguf(path):  # llama.cpp's: metadata as config, tensors dequantized
+    if is_gguf(path):  # llama.cpp's: metadata as config, tensors dequantized
         raw, src = read_gguf(path)
         cfg = LlamaConfig.from_dict(raw, source=f"{path} (GGUF metadata)")
     else:

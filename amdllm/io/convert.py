@@ -75,7 +75,7 @@ def convert(src, out, *, dtype: str | None = None, allow_pickle: bool = False, d
     for a delta, as FastChat). Returns a report: tensors, bytes, files, dtype, seconds."""
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
-    gguf = src.suffix.lower() == ".gguf" or is_gguf(src)
+    gguf = is_gguf(src)
     if gguf:  # its metadata is the config
         raw, source = read_gguf(src)
         cfg = LlamaConfig.from_dict(raw, source=f"{src} (GGUF metadata)")

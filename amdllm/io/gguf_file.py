@@ -43,13 +43,19 @@ CONFIG_KEYS = {
 TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
-def is_gguf(path) -> bool:
+def has_magic(path) -> bool:
     """Whether `path` is a file that starts with GGUF's magic bytes."""
     p = Path(path)
     if not p.is_file():
         return False
     with open(p, "rb") as f:
         return f.read(4) == MAGIC
+
+
+def is_gguf(path) -> bool:
+    """Whether `path` is to be read as GGUF: named `.gguf` (a damaged one then gets read_gguf's error,
+    not a directory's) or starting with the magic bytes."""
+    return Path(path).suffix.lower() == ".gguf" or has_magic(path)
 
 
 def _hf_name(gguf_name: str) -> str | None:
@@ -142,7 +148,7 @@ def _fields(path: Path, reader) -> dict:
 def read_gguf(path) -> tuple[dict, GGUFSource]:
     """(config.json-style dict, GGUFSource) of a Llama GGUF file; every problem is one CheckpointError."""
     path = Path(path)
-    if not is_gguf(path):
+    if not has_magic(path):
         raise CheckpointError(f"{path}: not a GGUF file (expected the magic bytes 'GGUF' at its start)"
                               if path.is_file() else f"{path}: not found")
     try:
