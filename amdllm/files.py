@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -131,6 +132,33 @@ def read_json(path: str | os.PathLike, error: type[Exception] = ValueError):
 
 class OutputError(ValueError):
     """An output path that would overwrite an input or an earlier result; the message names the flag."""
+
+
+@contextlib.contextmanager
+def output_lock(out: str | os.PathLike, command: str, flag: str = "--out"):
+    """Hold `out` for one command: a second command into the same directory is refused at once, before it
+    checks or writes anything (two finetunes would both pass the emptiness check, then mix their
+    checkpoints and replace each other's adapter). The lock is a hidden file beside `out`, kept after the
+    run: removing it would let a process that opened it meanwhile lock a file nobody else sees."""
+    out = Path(out).resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lock = out.parent / f".{out.name}.amdllm-lock"
+    with open(lock, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            raise OutputError(f"{flag} {out}: another amdllm command ({holder}) is writing it; wait for it to "
+                              f"finish or choose another {flag}") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"amdllm {command}, pid {os.getpid()}")
+        f.flush()
+        try:
+            yield out
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def check_output_dir(out: str | os.PathLike, inputs=(), *, command: str, overwrite: bool = False,

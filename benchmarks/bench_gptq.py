@@ -3,9 +3,9 @@
 Both sides quantize the same float32 checkpoint (the course default model) with the same calibration
 windows (--samples windows of --seq-len tokens of the course training corpus, seed 0: `amdllm quantize`
 draws them with the call made here, whose result is written to a .npy file for GPTQModel) and the same
-GPTQ settings: 4-bit, group 128, symmetric, true-sequential, damp 0.01, no act-order (GPTQModel's own
-"act_group_aware" reordering, on by default in 7.x, is turned off: amdllm does not implement it),
-calibration batch 8.
+GPTQ settings: 4-bit, group 128, symmetric, true-sequential, damp 0.01, no act-order, and the
+group-aware order ("act_group_aware", on by default in both) off on both sides, so the toy compares the
+textbook algorithm; calibration batch 8. The real model's comparison, with it on, is bench_gptq_real.py.
 Each side runs in its own process, one after the other, timed from the parent (wall and CPU seconds of
 the child) and from inside (load -> calibrate -> quantize -> pack -> save, no imports/start-up).
 amdllm's side is the `amdllm quantize` command a user runs (it also computes its per-layer GPTQ-vs-RTN
@@ -44,7 +44,8 @@ PPL_TARGET = 1.02   # amdllm's perplexity may be at most 2% above GPTQModel's
 TIME_TARGET = 1.0   # amdllm's quantize time at most GPTQModel's
 
 
-def gptqmodel_side(model_dir: str, windows_npy: str, out: str, group_size: int, act_order: bool) -> None:
+def gptqmodel_side(model_dir: str, windows_npy: str, out: str, group_size: int, act_order: bool,
+                   act_group_aware: bool = False, own_defaults: bool = False) -> None:
     """Runs in the GPTQModel interpreter: load, quantize, save; prints one JSON line with the seconds."""
     import numpy as np
     import torch
@@ -55,8 +56,12 @@ def gptqmodel_side(model_dir: str, windows_npy: str, out: str, group_size: int, 
     calib = [{"input_ids": w.tolist(), "attention_mask": [1] * len(w)} for w in windows]
     t0 = time.perf_counter()
     # offload_to_disk (on by default, for models larger than memory) only adds disk writes for a 14 MB model
-    qc = QuantizeConfig(bits=4, group_size=group_size, sym=True, desc_act=act_order, act_group_aware=False,
-                        damp_percent=0.01, true_sequential=True, offload_to_disk=False)
+    if own_defaults:  # GPTQModel's own choices for the rest (damp 0.05, act_group_aware on)
+        qc = QuantizeConfig(bits=4, group_size=group_size, sym=True, desc_act=False, offload_to_disk=False)
+    else:
+        qc = QuantizeConfig(bits=4, group_size=group_size, sym=True, desc_act=act_order,
+                            act_group_aware=act_group_aware and not act_order,
+                            damp_percent=0.01, true_sequential=True, offload_to_disk=False)
     # dtype float32 like amdllm's side (GPTQModel's "auto" loads bfloat16 on a CPU)
     model = GPTQModel.load(model_dir, qc, device="cpu", dtype=torch.float32)
     t1 = time.perf_counter()
@@ -122,10 +127,13 @@ def main() -> None:
     ap.add_argument("--require-gptqmodel", action="store_true", help="fail (not skip) if it is missing")
     ap.add_argument("--grid", action="store_true", help="also the per-channel/3-bit/RTN table and decode")
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--act-group-aware", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--gptqmodel-defaults", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--gptqmodel-side", nargs=3, metavar=("MODEL", "WINDOWS", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.gptqmodel_side:
-        return gptqmodel_side(*args.gptqmodel_side, args.group_size, args.act_order)
+        return gptqmodel_side(*args.gptqmodel_side, args.group_size, args.act_order, args.act_group_aware,
+                              args.gptqmodel_defaults)
 
     import numpy as np
 
@@ -163,7 +171,8 @@ def main() -> None:
         for method in methods:
             cmd = [sys.executable, "-m", "amdllm.cli", "quantize", "--model", str(model_dir), "--out",
                    str(tmp / method), "--method", method, "--samples", str(args.samples), "--seq-len",
-                   str(args.seq_len), "--group-size", str(args.group_size), "--compare-rtn", "--json"]
+                   str(args.seq_len), "--group-size", str(args.group_size), "--compare-rtn", "--json",
+                   "--no-act-group-aware"]  # GPTQModel's side runs without it too (above)
             out, t = timed_child(cmd + (["--act-order"] if args.act_order else []))
             res = json.loads(out)
             q = checkpoint.load(tmp / method)

@@ -52,8 +52,8 @@ def _run(args, prefix: str, argv: list[str]) -> int:
         where = f"{e.filename}: " if e.filename else ""
         print(f"{prefix}: error: {where}{e.strerror or e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"{prefix}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:  # finetune says where it stopped and how to go on
+        print(f"{prefix}: interrupted" + (f" {e}" if str(e) else ""), file=sys.stderr)
         return 130
     except Exception as e:  # a bug of ours: still one line, with the way to see the rest
         lost = cluster.lost_peer(e)

@@ -15,7 +15,7 @@ from amdllm.cli.common import model_dir as resolve_model_dir
 from amdllm.config import LlamaConfig
 from amdllm.io import checkpoint
 from amdllm.io.gptq_format import quant_config_of
-from amdllm.files import atomic_write_text, check_output_dir
+from amdllm.files import atomic_write_text, check_output_dir, output_lock
 from amdllm.io.templates import TEMPLATE_FILE, use_chat_template
 from amdllm.io.tokenizer import load_tokenizer
 from amdllm.model import lora as lora_mod
@@ -28,13 +28,27 @@ from amdllm.train.loop import TrainConfig, check_batch_splits, finetune, rss_now
 
 
 def run(args) -> int:
+    if cluster_of(args)["source"] != "single":  # several processes share --out; process 0 writes it
+        return _run(args)
+    check_out(args)  # first, so that a refused --out (inside the model, say) gets no lock file either
+    with output_lock(args.out, "finetune"):
+        return _run(args)
+
+
+def check_out(args) -> str:
+    """Before anything is loaded: --out is no input, and an earlier adapter or run in it is replaced only
+    when asked -> the model directory."""
     model_dir = resolve_model_dir(args.model)
-    # before anything is loaded: an earlier adapter or run in --out is replaced only when asked
     inputs = [("--model", model_dir), ("--data", args.data), ("--eval-data", args.eval_data),
               ("--chat-template", args.chat_template)]
     check_output_dir(args.out, inputs, command="finetune", overwrite=args.overwrite,
                      allowed=args.resume and resumable(args.out))
     check_run_dir(args.out, args.steps, args.resume)
+    return model_dir
+
+
+def _run(args) -> int:
+    model_dir = check_out(args)  # again under the lock: another run may have written --out meanwhile
     several = cluster_of(args)["source"] != "single"
     # a GPTQ base (QLoRA): its quantization config is checked here, before the data and the weights
     quant = quant_config_of(Path(model_dir))

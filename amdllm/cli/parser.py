@@ -255,6 +255,8 @@ def _quantize(sub) -> None:
     p.add_argument("--group-size", type=int, default=128, help="-1 (per channel), 16..1024 (default 128)")
     p.add_argument("--act-order", action="store_true", help="desc_act: columns by decreasing diag(H)")
     p.add_argument("--static-groups", action="store_true", help="group params from the original weights")
+    p.add_argument("--act-group-aware", action=argparse.BooleanOptionalAction, default=True,
+                   help="GPTQModel's GAR: solve groups by importance, g_idx stays in order (default on)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--sym", dest="sym", action="store_true", default=True, help="symmetric grid (default)")
     g.add_argument("--asym", dest="sym", action="store_false", help="asymmetric grid (saved as gptq_v2)")

@@ -13,5 +13,5 @@ from amdllm.quant.calibrate import (calibration_windows, devices_needed, model_b
                                     paper_bytes, quantize_model)
 from amdllm.quant.gptq import (GROUP_SIZES, SOLVER_BITS, GPTQError, QuantResult, QuantSpec,  # noqa: F401
                                errors_kwargs, rtn_error, fake_quant, find_params, fit_group_size,
-                               gptq_quantize, hessian_inverse, in_features, quantize_codes,
-                               reconstruction_error, rtn_quantize)
+                               gar_applies, gptq_quantize, group_aware_order, hessian_inverse, in_features,
+                               quantize_codes, reconstruction_error, rtn_quantize)

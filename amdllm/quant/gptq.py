@@ -1,11 +1,11 @@
 """GPTQ in JAX: the quantizer grid, the solver and RTN (the command is `amdllm.cli.quantize`).
 
-The solver follows the reference implementation (IST-DASLab `gptq.py::fasterquant`; lesson 04 walks
-through it) with weights [out N, in K]: dead columns, relative dampening, the upper Cholesky factor of
-H^-1, blocks of 128 columns with a lazy batch update, groups, act-order with `g_idx`, static groups.
-Scales are rounded to fp16 when chosen, so the error feedback sees the weights the checkpoint holds.
-The factor runs on the host with a CPU back end, on the device otherwise; the rest is one compiled
-function per weight shape (`_gptq_core`)."""
+The solver follows the reference (IST-DASLab `gptq.py::fasterquant`; lesson 04 walks through it) with
+weights [out N, in K]: dead columns, relative dampening, the upper Cholesky factor of H^-1, blocks of 128
+columns with a lazy batch update, groups, act-order with `g_idx`, static groups, and GPTQModel's
+group-aware order (its default and ours). Scales are rounded to fp16 when chosen, so the error feedback
+sees the weights the checkpoint holds. The factor runs on the host with a CPU back end, on the device
+otherwise; the rest is one compiled function per weight shape (`_gptq_core`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,6 +30,7 @@ class QuantSpec:
     sym: bool = True
     act_order: bool = False      # desc_act
     static_groups: bool = False
+    act_group_aware: bool = True  # GPTQModel's GAR: act-order within and between groups, g_idx stays k // G
     percdamp: float = 0.01
     blocksize: int = 128
     true_sequential: bool = True
@@ -295,8 +296,14 @@ def gptq_quantize(W, H, spec: QuantSpec, scale_dtype=jnp.float16, where: str = "
     H, diag = _mend_dead(H)      # only the diagonal decides dead columns and the order (act-order)
     diag = np.asarray(diag)
     dead = diag == 0
-    perm = np.argsort(-np.where(dead, 1.0, diag), kind="stable") if spec.act_order else np.arange(K)
-    if spec.act_order:  # without act-order perm is the identity: no [K, K] gathers
+    live = np.where(dead, 1.0, diag)
+    if spec.act_order:
+        perm = np.argsort(-live, kind="stable")
+    elif gar_applies(spec):
+        perm = group_aware_order(live, G)
+    else:
+        perm = np.arange(K)
+    if spec.act_order or gar_applies(spec):  # otherwise perm is the identity: no [K, K] gathers
         H = H[perm][:, perm]
     U, p = hessian_inverse(H, spec.percdamp, where)  # H moves to the host only to be factored there
     # device_put, not jnp.asarray: the latter compiles a small "stage" program per shape and dtype
@@ -314,6 +321,22 @@ def gptq_quantize(W, H, spec: QuantSpec, scale_dtype=jnp.float16, where: str = "
     scales, zeros = np.zeros((ng, N), np.float32), np.zeros((ng, N), np.int32)
     scales[g_idx], zeros[g_idx] = S.T, Z.T.astype(np.int32)  # every column of a group agrees
     return QuantResult(Q, C.astype(np.int32), scales, zeros, g_idx, p, err)
+
+
+def gar_applies(spec: QuantSpec) -> bool:
+    """Group-aware ordering runs where act-order does not and the groups are formed during the solve."""
+    return spec.act_group_aware and not spec.act_order and not spec.static_groups and spec.group_size != -1
+
+
+def group_aware_order(diag: np.ndarray, G: int) -> np.ndarray:
+    """GPTQModel's act_group_aware order (its `gar` module): within each group of G consecutive
+    columns, by decreasing diag(H); whole groups by their largest diag(H). A group keeps its columns, so
+    the checkpoint's g_idx is k // G and inference needs no reordering, while the solve still meets the
+    inputs that matter most first, as act-order does. perm[new position] = old column."""
+    d = np.asarray(diag).reshape(-1, G)
+    local = np.argsort(-d, axis=1, kind="stable")
+    order = np.argsort(-d.max(axis=1), kind="stable")
+    return (local + (np.arange(d.shape[0]) * G)[:, None])[order].reshape(-1)
 
 
 @jax.jit

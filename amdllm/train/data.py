@@ -6,6 +6,7 @@ only (every assistant reply and the end token after it); a plain row trains on a
 `prompt_ids` is the template up to the response header, for exact-match evaluation."""
 from __future__ import annotations
 
+import bisect
 import json
 import warnings
 from dataclasses import dataclass, field
@@ -132,13 +133,19 @@ def tokenize_pieces(tokenizer, pieces: list[tuple[str, bool]]) -> tuple[list[int
     """(ids, mask) of the pieces' joined text, tokenized once, as the server tokenizes a prompt (pieces
     tokenized one by one could differ at the seams: SentencePiece adds a "▁" to each). A token is
     trained when its first character lies in a trained piece."""
-    text, spans, at = "", [], 0
+    texts, starts, ends, at = [], [], [], 0
     for t, trained in pieces:
         if trained:
-            spans.append((at, at + len(t)))
-        text, at = text + t, at + len(t)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    mask = [int(any(a <= start < b for a, b in spans)) for start, _ in enc["offset_mapping"]]
+            starts.append(at)
+            ends.append(at + len(t))
+        texts.append(t)
+        at += len(t)
+    enc = tokenizer("".join(texts), add_special_tokens=False, return_offsets_mapping=True)
+
+    def trained(start):  # the spans are in order and disjoint: a bisection, not a scan (long chats)
+        i = bisect.bisect_right(starts, start) - 1
+        return int(i >= 0 and start < ends[i])
+    mask = [trained(start) for start, _ in enc["offset_mapping"]]
     return list(enc["input_ids"]), mask
 
 

@@ -6,10 +6,13 @@ metrics.jsonl (one JSON object per logged step and per evaluation) and resumable
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import resource
+import signal
 import statistics
 import sys
+import threading
 import time
 import warnings
 from dataclasses import asdict
@@ -34,6 +37,34 @@ from amdllm.train.report import task_accuracy
 from amdllm.train.step import (TrainConfig, TrainingError, evaluate_loss, flops_per_token, init_opt_state,
                                make_eval_step, make_optimizer, make_train_step, peak_flops, place_batch,
                                split_params, stack_batch)
+
+
+class _StopRequest:
+    requested = False
+
+
+@contextlib.contextmanager
+def interrupt_between_steps():
+    """The first Ctrl-C (SIGINT) asks the loop to stop after the step in flight; a second interrupts at
+    once. A KeyboardInterrupt raised inside a compiled call can leave XLA's threads mid-work, and the
+    process then crashes on its way out instead of exiting 130. One process of several keeps the
+    default (the supervisor forwards the signal to all, and they must stop together)."""
+    stop = _StopRequest()
+    if threading.current_thread() is not threading.main_thread() or jax.process_count() > 1:
+        yield stop
+        return
+
+    def handler(signum, frame):
+        if stop.requested:
+            raise KeyboardInterrupt
+        stop.requested = True
+        print("\nstopping after this step (Ctrl-C again stops now, without a checkpoint)", file=sys.stderr)
+
+    old = signal.signal(signal.SIGINT, handler)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 def check_batch_splits(batch_size: int, mesh, rules=None) -> None:
@@ -167,36 +198,44 @@ def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig 
     tok_s = mfu = 0.0
     rates = []  # tokens/s of every timed step: the result reports their median, not the last step's
     t_prev = time.perf_counter()
-    for step in bar:
-        lora, opt_state, m = step_fn(lora, opt_state, frozen, next_batch(step), jax.random.fold_in(key, step))
-        loss = float(m["loss"])  # waits for the step; also the NaN check
-        dt = time.perf_counter() - t_prev  # t_prev: set after the previous step's evaluation and checkpoint
-        if not bool(m["ok"]):
-            write_metrics()
-            where = f"last good checkpoint: {last_ckpt}" if last_ckpt else "no checkpoint was written yet"
-            raise TrainingError(f"non-finite loss ({loss}), gradient norm ({float(m['grad_norm'])}) or update "
-                                f"norm ({float(m['update_norm'])}, --lr {tc.lr:g}) at step {step + 1}; stopped "
-                                f"without applying it ({where})")
-        positions = global_batch * tc.seq_len
-        if step > start:  # the first step's time includes the batch's first transfer
-            tok_s = positions / dt
-            mfu = fpt * tok_s / peak if peak else 0.0
-            rates.append(tok_s)
-        losses.append(loss)
-        n = step + 1
-        if n % tc.log_every == 0 or n == tc.steps:
-            metrics_lines.append(json.dumps({
-                "step": n, "loss": loss, "lr": float(schedule(step)), "grad_norm": float(m["grad_norm"]),
-                "tokens_per_second": tok_s, "mfu": mfu, "trained_tokens": float(m["weight"]),
-                "step_seconds": dt, "epoch": data_mod.cursor(len(train_ds), n, global_batch)["epoch"]}))
-            write_metrics()
-        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}", mfu=f"{100 * mfu:.1f}%")
-        if tc.eval_every and n % tc.eval_every == 0 and n < tc.steps:
-            run_eval(n)
-        if tc.save_every and n % tc.save_every == 0 and n < tc.steps:
-            meta["cursor"] = data_mod.cursor(len(train_ds), n, global_batch)
-            checkpoint(n)
-        t_prev = time.perf_counter()  # the next step's time leaves out this one's evaluation and checkpoint
+    with interrupt_between_steps() as stop:
+        for step in bar:
+            lora, opt_state, m = step_fn(lora, opt_state, frozen, next_batch(step), jax.random.fold_in(key, step))
+            loss = float(m["loss"])  # waits for the step; also the NaN check
+            dt = time.perf_counter() - t_prev  # t_prev: set after the previous step's evaluation and checkpoint
+            if not bool(m["ok"]):
+                write_metrics()
+                where = f"last good checkpoint: {last_ckpt}" if last_ckpt else "no checkpoint was written yet"
+                raise TrainingError(f"non-finite loss ({loss}), gradient norm ({float(m['grad_norm'])}) or update "
+                                    f"norm ({float(m['update_norm'])}, --lr {tc.lr:g}) at step {step + 1}; stopped "
+                                    f"without applying it ({where})")
+            positions = global_batch * tc.seq_len
+            if step > start:  # the first step's time includes the batch's first transfer
+                tok_s = positions / dt
+                mfu = fpt * tok_s / peak if peak else 0.0
+                rates.append(tok_s)
+            losses.append(loss)
+            n = step + 1
+            if n % tc.log_every == 0 or n == tc.steps:
+                metrics_lines.append(json.dumps({
+                    "step": n, "loss": loss, "lr": float(schedule(step)), "grad_norm": float(m["grad_norm"]),
+                    "tokens_per_second": tok_s, "mfu": mfu, "trained_tokens": float(m["weight"]),
+                    "step_seconds": dt, "epoch": data_mod.cursor(len(train_ds), n, global_batch)["epoch"]}))
+                write_metrics()
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}", mfu=f"{100 * mfu:.1f}%")
+            if tc.eval_every and n % tc.eval_every == 0 and n < tc.steps:
+                run_eval(n)
+            if tc.save_every and n % tc.save_every == 0 and n < tc.steps:
+                meta["cursor"] = data_mod.cursor(len(train_ds), n, global_batch)
+                checkpoint(n)
+            if stop.requested:  # Ctrl-C: stop here, at a step boundary, with a checkpoint to resume from
+                meta["cursor"] = data_mod.cursor(len(train_ds), n, global_batch)
+                checkpoint(n)
+                write_metrics()
+                bar.close()
+                raise KeyboardInterrupt(f"after step {n} of {tc.steps}; checkpoint {last_ckpt} "
+                                        "(run the same command with --resume to continue)")
+            t_prev = time.perf_counter()  # the next step's time leaves out this one's evaluation and checkpoint
     bar.close()
     meta["cursor"] = data_mod.cursor(len(train_ds), tc.steps, global_batch)
     if start < tc.steps:

@@ -143,3 +143,38 @@ def test_a_run_killed_at_a_rename_resumes_bit_exact(at, tiny, traced, tmp_path):
     assert ours.keys() == ref.keys()
     for name in ref:
         np.testing.assert_array_equal(ours[name], ref[name], err_msg=name)
+
+
+def test_a_second_finetune_into_a_running_out_is_refused_and_ctrl_c_stops_at_a_step(tiny, tmp_path):
+    """While a finetune runs, another into the same --out is refused in one line (no lock: both passed the
+    emptiness check, and one adapter replaced the other). Then SIGINT: the step in flight finishes, a
+    checkpoint is written, one line says where it stopped, the exit status is 130 (not a crash on the
+    way out), and --resume finishes the run."""
+    import signal
+    import subprocess
+    import time
+    out = tmp_path / "run"
+    run = ["--steps", "3000", "--save-every", "100000", "--log-every", "1", "--batch-size", "2", "--seq-len", "32",
+           "--rank", "4", "--no-progress"]
+    cmd = [sys.executable, "-m", "amdllm.cli", "finetune", "--model", str(tiny["model"]), "--data",
+           str(tiny["data"]), "--out", str(out), *run]
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    # the signal goes once training runs: after the first logged step (an event, not a clock)
+    while child.poll() is None and not (metrics.is_file() and '"loss"' in metrics.read_text()):
+        time.sleep(0.05)
+    assert child.poll() is None, f"finished before it could be interrupted: {child.communicate()[1][-1000:]}"
+    one_line_error(amdllm("finetune", "--model", tiny["model"], "--data", tiny["data"], "--out", out, *run),
+                   "another amdllm command", str(out.name))
+    assert child.poll() is None  # the refused one touched nothing: the first is still training
+    child.send_signal(signal.SIGINT)
+    _, err = child.communicate(timeout=300)
+    assert child.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and "Segmentation" not in err, err[-2000:]
+    last = err.strip().splitlines()[-1]
+    assert "interrupted after step" in last and "--resume" in last, err[-2000:]
+    step = int(last.split("after step ")[1].split()[0])
+    assert (out / "checkpoints" / f"step_{step:06d}").is_dir() and 0 < step < 3000
+    p = amdllm("finetune", "--model", tiny["model"], "--data", tiny["data"], "--out", out, *run, "--resume")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads(metrics.read_text().splitlines()[-1]).get("step") == 3000
