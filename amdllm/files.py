@@ -40,6 +40,7 @@ def staged_dir(out: str | os.PathLike):
     the file as it would have been in `out`. Staging left by a killed process is removed first."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    restore_swapped(out)
     remove_stale([*out.parent.glob(f".{out.name}.tmp-*"), *out.parent.glob(f".{out.name}.old-*")])
     staging = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
@@ -61,6 +62,20 @@ def staged_dir(out: str | os.PathLike):
     os.replace(staging, out)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def restore_swapped(out: Path) -> Path | None:
+    """A writer killed between its two renames (`out` to `.old-PID`, staging to `out`) left `out` missing
+    and the earlier result aside: put that back, so it is neither lost nor taken for a leftover. Only a
+    dead writer's; returns the restored path, or None."""
+    if out.exists() or out.is_symlink():
+        return None
+    for old in sorted(out.parent.glob(f".{out.name}.old-*")):
+        pid = old.name.rsplit("-", 1)[1]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            os.replace(old, out)
+            return out
+    return None
 
 
 def remove_stale(staging) -> None:
@@ -166,8 +181,10 @@ def check_output_dir(out: str | os.PathLike, inputs=(), *, command: str, overwri
     """Refuse `out` when it is, holds, or lies inside any of `inputs` ((flag, path) pairs: every file or
     directory the command reads; always, --overwrite or not), or when it exists and is not an empty
     directory, unless `overwrite` (or `allowed`: the caller continues what is there, e.g. a resume).
-    Called before anything is loaded, so a wrong path costs nothing."""
+    Called before anything is loaded, so a wrong path costs nothing. An earlier result that a killed
+    writer left aside is put back first (`restore_swapped`), and the rules apply to it."""
     out = Path(out)
+    restore_swapped(out)
     where = out.resolve()
     for name, src in inputs:
         if src is None or not Path(src).exists():

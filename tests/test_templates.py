@@ -92,3 +92,34 @@ def test_finetune_and_serve_use_the_same_template(tmp_path, sp_dir, capfd):
     finally:
         engine.stop()
     assert served == fastchat_vicuna(CHAT[:4], generation=True)
+
+
+@pytest.mark.parametrize("name", [*sorted(NAMED_TEMPLATES), "smollm2", "trims"])
+def test_the_four_render_shortcut_gives_the_pieces_of_every_prefix_or_steps_aside(name, sp_dir, monkeypatch):
+    """Long chats: `template_pieces` renders four times instead of twice per reply when that gives the very
+    pieces the prefix renders give, replies printed as they are or trimmed (Llama 3's template, and here a
+    trimming Vicuna). Whatever else a template does to a reply makes the shortcut step aside."""
+    from amdllm.course.chat_model import chat_model_dir
+    from amdllm.io.templates import _pieces_by_prefix, _pieces_in_one
+    if name == "smollm2":  # the course's real chat model: ChatML, with its own default system prompt
+        tok = load_tokenizer(chat_model_dir())
+    else:
+        tok = use_chat_template(load_tokenizer(sp_dir), "vicuna" if name == "trims" else name)
+        if name == "trims":
+            tok.chat_template = tok.chat_template.replace("m['content']", "m['content'] | trim")
+    chat = CHAT + [{"role": "user", "content": " Why? "}, {"role": "assistant", "content": " Because. "}]
+    fast, slow = _pieces_in_one(tok, chat), _pieces_by_prefix(tok, chat)
+    assert fast == slow
+    from amdllm.io import templates
+    renders, real = [], templates._apply
+    monkeypatch.setattr(templates, "_apply", lambda *a: renders.append(1) or real(*a))
+    long_chat = chat[:1] + chat[1:5] * 100  # 200 replies: four renders, not 400
+    assert template_pieces(tok, long_chat) and len(renders) == 4
+
+
+def test_a_template_that_rewrites_replies_falls_back_to_the_prefix_renders(sp_dir):
+    from amdllm.io.templates import _pieces_by_prefix, _pieces_in_one
+    tok = use_chat_template(load_tokenizer(sp_dir), "vicuna")
+    tok.chat_template = tok.chat_template.replace("m['content']", "m['content'] | upper")
+    assert _pieces_in_one(tok, CHAT) is None
+    assert template_pieces(tok, CHAT) == _pieces_by_prefix(tok, CHAT)

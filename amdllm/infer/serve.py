@@ -122,14 +122,16 @@ def create_app(engine: Engine, cfg: ServerConfig):
         return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": 0,
                                             "owned_by": "amdllm"}]}
 
-    # templating and tokenizing run on one worker thread, off the event loop: a long prompt never holds
-    # up other clients
-    parser = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="amdllm-tokenize")
+    # tokenizing runs on a worker thread, off the event loop: a long prompt never holds up other clients.
+    # Chat templates render on their own thread: a template that loops until its bound (RENDER_STEPS)
+    # delays other chats, never plain completions.
+    parsers = {parse_completion: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="amdllm-tokenize"),
+               parse_chat: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="amdllm-template")}
     char_limit = max_prompt_chars(engine.tokenizer, engine.S)
 
     async def parse(fn, body):
         return await asyncio.get_running_loop().run_in_executor(
-            parser, lambda: fn(body, engine.tokenizer, cfg, engine.S, char_limit))
+            parsers[fn], lambda: fn(body, engine.tokenizer, cfg, engine.S, char_limit))
 
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest):

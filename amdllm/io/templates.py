@@ -127,7 +127,52 @@ def _apply(tokenizer, messages: list[dict], generation: bool) -> str:
 
 def template_pieces(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
     """[(text, trained)] from the tokenizer's chat template: before each assistant message, the
-    conversation rendered up to it with the generation prompt; the reply is what the full render adds."""
+    conversation rendered up to it with the generation prompt; the reply is what the full render adds.
+    Rendering every prefix costs time quadratic in the turns, so a shortcut of four renders is tried
+    first and kept only where it gives exactly the same pieces on this conversation (`_pieces_in_one`)."""
+    return _pieces_in_one(tokenizer, messages) or _pieces_by_prefix(tokenizer, messages)
+
+
+def _pieces_in_one(tokenizer, messages: list[dict]) -> list[tuple[str, bool]] | None:
+    """The pieces from one render with each reply replaced by a marker, with the end-of-turn text learned
+    from the first reply's two prefix renders. None (use every prefix) unless the markers come out in
+    order, verbatim, each followed by that end text, and the pieces join to the real full render."""
+    replies = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+    if len(replies) < 2:
+        return None
+    k0 = replies[0]
+    head0, full0 = _apply(tokenizer, messages[:k0], True), _apply(tokenizer, messages[:k0 + 1], False)
+    if not (full0.startswith(head0) and all(isinstance(messages[k]["content"], str) for k in replies)):
+        return None
+    # markers padded with tabs (no template adds those) tell whether a reply is printed as it is or
+    # trimmed (Llama 3's template)
+    marks = {k: f"\u2063amdllm-reply-{k}\u2063" for k in replies}
+    marked = _apply(tokenizer, [{**m, "content": f"\t{marks[k]}\t"} if k in marks else m
+                                for k, m in enumerate(messages)], False)
+    if f"\t{marks[k0]}\t" in marked:
+        shown, marks = (lambda c: c), {k: f"\t{v}\t" for k, v in marks.items()}
+    else:
+        shown = str.strip
+    i0 = full0.find(shown(messages[k0]["content"]), len(head0))
+    if i0 < 0:
+        return None
+    pre, end = full0[len(head0):i0], full0[i0 + len(shown(messages[k0]["content"])):]  # around a reply
+    pieces, at = [], 0
+    for k in replies:
+        i = marked.find(marks[k], at)
+        j = i + len(marks[k])
+        if i < len(pre) or not marked.startswith(pre, i - len(pre)) or not marked.startswith(end, j):
+            return None
+        pieces += [(marked[at:i - len(pre)], False), (pre + shown(messages[k]["content"]) + end, True)]
+        at = j + len(end)
+    if "\u2063amdllm-reply-" in marked[at:] or pieces[0][0] != head0:
+        return None
+    if "".join(t for t, _ in pieces) != _apply(tokenizer, messages[:replies[-1] + 1], False):
+        return None
+    return pieces
+
+
+def _pieces_by_prefix(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
     pieces, done = [], ""
     for k, m in enumerate(messages):
         if m["role"] != "assistant":

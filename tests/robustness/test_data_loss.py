@@ -110,3 +110,35 @@ def test_a_failed_overwrite_leaves_the_earlier_result_whole(tiny, model, tmp_pat
     p = amdllm("quantize", "--model", model, "--out", out, *QUANT, "--bits", "8", "--overwrite", preexec_fn=limit)
     one_line_error(p, "File too large", str(out / "model.safetensors"))
     assert digest(out) == first
+
+
+def test_a_kill_between_the_two_renames_of_an_overwrite_keeps_the_earlier_result(tiny, model, tmp_path):
+    """SIGKILL (strace's fault injection) at the rename that moves the new result into place, just after
+    the earlier one was moved aside: the next command puts the earlier result back, whole, and treats
+    it as any existing --out (refused without --overwrite), instead of deleting it as a leftover."""
+    import os
+    import shutil
+    import sys
+    if shutil.which("strace") is None:
+        pytest.skip("strace is not installed (apt install strace): the kill cannot be injected")
+    out = tmp_path / "q"
+    assert amdllm("quantize", "--model", model, "--out", out, *QUANT).returncode == 0
+    first = digest(out)
+    saved = tmp_path / "saved"
+    shutil.copytree(out, saved)
+    cmd = [sys.executable, "-m", "amdllm.cli", "quantize", "--model", model, "--out", out, *QUANT, "--bits", "8",
+           "--overwrite"]
+    # a traced run counts the renames; the one onto --out follows the one that moves it aside
+    log = tmp_path / "renames.log"
+    trace = ["strace", "-f", "-qq", "-e", "trace=rename,renameat,renameat2"]
+    assert amdllm(*trace, "-o", log, *cmd, raw=True).returncode == 0
+    done = [ln.split('"')[-2] for ln in log.read_text().splitlines() if "rename" in ln and "= 0" in ln]
+    k = done.index(str(out)) + 1
+    shutil.rmtree(out)
+    shutil.copytree(saved, out)
+    p = amdllm(*trace, "-o", os.devnull, "-e", f"inject=rename,renameat,renameat2:signal=KILL:when={k}", *cmd,
+               raw=True)
+    assert p.returncode != 0 and not out.exists(), f"the kill did not land between the renames: {p.stderr[-500:]}"
+    assert list(tmp_path.glob(".q.old-*")), sorted(x.name for x in tmp_path.iterdir())
+    one_line_error(amdllm("quantize", "--model", model, "--out", out, *QUANT), "--out", "--overwrite")
+    assert digest(out) == first and not list(tmp_path.glob(".q.old-*"))

@@ -245,3 +245,24 @@ def test_a_top_p_below_float32s_range_keeps_the_most_likely_token(server):
                         timeout=60)
     assert greedy.status_code == tiny_p.status_code == 200, tiny_p.text
     assert tiny_p.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
+
+
+def test_a_chat_template_that_loops_does_not_hold_up_completions(tiny, tmp_path):
+    """A template whose loops run to the render bound keeps its chat request busy for seconds. Plain
+    completions, tokenized on another thread, are answered meanwhile (ordering, not a clock: the
+    completion's answer comes while the chat is still unanswered), and the chat then gets a 400."""
+    from amdllm.infer.serve import start_server
+    looping = tmp_path / "loop.jinja"
+    looping.write_text("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
+    h = start_server(model_dir=tiny["model"], max_batch=2, max_len=128, max_tokens_cap=16, chat_template=str(looping))
+    try:
+        good(h)
+        with cf.ThreadPoolExecutor(1) as pool:
+            chat = pool.submit(httpx.post, h.url + "/v1/chat/completions", timeout=120,
+                               json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+            time.sleep(0.2)  # let the chat reach the template thread first
+            good(h)
+            assert not chat.done(), "the chat finished first: the bound no longer costs seconds"
+            error_of(chat.result(timeout=120), 400)
+    finally:
+        h.stop()
