@@ -2,8 +2,8 @@
 
 uvicorn holds a connection that sends its request slowly, or never, forever. Here a request must arrive
 whole within `request_timeout` seconds of its first byte, or the connection is closed; past
-`max_connections` open connections a new one is closed at once (and requests beyond that many in flight
-get uvicorn's 503). The protocol needs the [serve] extra (uvicorn); the socket helpers do not."""
+`max_connections` open connections a new one takes the place of the oldest that has sent nothing yet,
+or is closed at once if none is silent (and requests beyond that many in flight get uvicorn's 503). The protocol needs the [serve] extra (uvicorn); the socket helpers do not."""
 from __future__ import annotations
 
 import resource
@@ -22,13 +22,19 @@ def guarded_protocol(request_timeout: float = REQUEST_TIMEOUT_S, max_connections
     class GuardedH11Protocol(H11Protocol):
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
-            self._started, self._timer = time.monotonic(), None
+            self._started, self._timer, self._silent = time.monotonic(), None, True
             if len(self.connections) > max_connections:
-                transport.close()  # connection_lost removes it from the set
-                return
+                # full: the oldest connection that has sent nothing gives way (idle sockets must not lock
+                # clients out until they time out); if every one has a request under way, this one goes
+                silent = [c for c in self.connections if c is not self and getattr(c, "_silent", False)]
+                victim = min(silent, key=lambda c: c._started) if silent else self
+                victim.transport.close()  # connection_lost removes it from the set
+                if victim is self:
+                    return
             self._arm()
 
         def data_received(self, data: bytes) -> None:
+            self._silent = False
             if self.conn.their_state is h11.IDLE and self._started is None:
                 self._started = time.monotonic()  # a new request on a kept-alive connection: its own clock
             super().data_received(data)
@@ -80,7 +86,9 @@ def server_config(app, *, log_level: str = "info", request_timeout: float = REQU
         except (ValueError, OSError):
             pass  # the soft limit stays; the connection cap still holds
     return uvicorn.Config(app, http=guarded_protocol(float(request_timeout), int(max_connections)),
-                          lifespan="off", limit_concurrency=int(max_connections), log_level=log_level, **kw)
+                          lifespan="off", log_level=log_level, **kw,
+                          # uvicorn answers 503 once its connections reach this; ours are held at the cap
+                          limit_concurrency=int(max_connections) + 1)
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
