@@ -30,25 +30,26 @@ from amdllm.train.loop import TrainConfig, check_batch_splits, finetune, rss_now
 def run(args) -> int:
     if cluster_of(args)["source"] != "single":  # several processes share --out; process 0 writes it
         return _run(args)
-    check_out(args)  # first, so that a refused --out (inside the model, say) gets no lock file either
+    check_out(args, contents=False)  # an --out inside an input is refused before a lock file is made
     with output_lock(args.out, "finetune"):
         return _run(args)
 
 
-def check_out(args) -> str:
-    """Before anything is loaded: --out is no input, and an earlier adapter or run in it is replaced only
-    when asked -> the model directory."""
+def check_out(args, contents: bool = True) -> str:
+    """Before anything is loaded: --out is no input, and (contents) an earlier adapter or run in it is
+    replaced only when asked -> the model directory."""
     model_dir = resolve_model_dir(args.model)
     inputs = [("--model", model_dir), ("--data", args.data), ("--eval-data", args.eval_data),
               ("--chat-template", args.chat_template)]
     check_output_dir(args.out, inputs, command="finetune", overwrite=args.overwrite,
-                     allowed=args.resume and resumable(args.out))
-    check_run_dir(args.out, args.steps, args.resume)
+                     allowed=not contents or (args.resume and resumable(args.out)))
+    if contents:
+        check_run_dir(args.out, args.steps, args.resume)
     return model_dir
 
 
 def _run(args) -> int:
-    model_dir = check_out(args)  # again under the lock: another run may have written --out meanwhile
+    model_dir = check_out(args)  # under the lock: what --out holds is checked by the one writing it
     several = cluster_of(args)["source"] != "single"
     # a GPTQ base (QLoRA): its quantization config is checked here, before the data and the weights
     quant = quant_config_of(Path(model_dir))
