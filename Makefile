@@ -1,5 +1,6 @@
 # amdllm: two commands do everything on a fresh machine.
 #   make course   execute all notebooks on the embedded default model into build/ and print a summary
+#                 (MODEL=smollm2: on the real pretrained chat model SmolLM2-135M-Instruct, into build-smollm2/)
 #   make test     run the test suite (notebooks included)
 # Both create .venv and install the tested pin set (requirements/lock.txt) on first use.
 
@@ -8,6 +9,9 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PYTEST_WORKERS ?= 2
+# which model the lessons run on (amdllm/course/models.py): the embedded toy, or smollm2
+MODEL   ?= default
+COURSE_OUT := $(if $(filter default,$(MODEL)),build,build-$(MODEL))
 # ACCEL=auto: where $(PY)'s own JAX computes on a GPU or TPU, .venv is built on top of it and keeps its JAX
 # and PyTorch; ACCEL=cpu: always the CPU set. TORCH_INDEX: where the CPU build of PyTorch comes from.
 ACCEL   ?= auto
@@ -22,6 +26,7 @@ export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 
 help:
 	@echo "make course  - run the six notebooks headless into build/ and print a summary"
+	@echo "               (MODEL=smollm2: on the real chat model SmolLM2-135M-Instruct, into build-smollm2/)"
 	@echo "make test    - install (if needed) and run the tests, notebooks included"
 	@echo "make lab     - open JupyterLab on notebooks/ with the amdllm kernel"
 	@echo "make bench   - run benchmarks/ (writes JSON into bench_results/)"
@@ -49,7 +54,7 @@ model: install
 
 course: install
 	$(BIN)/python -m amdllm.course build
-	$(BIN)/python -m amdllm.course.notebooks run --out build
+	$(BIN)/python -m amdllm.course.notebooks run --out $(COURSE_OUT) --model $(MODEL)
 
 lab: install
 	$(BIN)/python -m amdllm.course.notebooks kernel

@@ -13,7 +13,8 @@ from amdllm.quant import GPTQError, QuantSpec, gptq_quantize, reconstruction_err
 
 # ------------------------------------------------------------------------------------------------
 # IST-DASLab gptq.py::fasterquant + quant.py::Quantizer, transcribed (torch, float32). `quirk_a`:
-# the reference reads group params from W (not W1) -- the only place where we differ by design.
+# group params are read from W (as the block starts), as the reference and GPTQModel do and we do;
+# False reads them from W1 (the columns as the block's own updates left them).
 # ------------------------------------------------------------------------------------------------
 def ref_find_params(x, maxq, sym):
     tmp = torch.zeros(x.shape[0])
@@ -137,29 +138,28 @@ def test_matches_reference_loop(bits, G, sym, act, static, gar):
     W, H = correlated_layer()
     spec = QuantSpec(bits=bits, group_size=G, sym=sym, act_order=act, static_groups=static, act_group_aware=gar)
     ours = gptq_quantize(W, H, spec)
-    # groups smaller than a block take params from the updated columns (test_small_groups_use_updated_weights)
-    ref = ref_fasterquant(W, H, bits, G, sym, act, static, gar=gar, quirk_a=G == -1 or G % 128 == 0)
+    ref = ref_fasterquant(W, H, bits, G, sym, act, static, gar=gar)
     step = np.abs(ref).max() / (2 ** bits - 1)
-    if G != -1 and G < 128 and not static:  # params of updated columns: a scale may land one fp16 ulp apart
-        np.testing.assert_allclose(ours.Q, ref, rtol=1.1e-3, atol=1e-6)
-    else:
-        np.testing.assert_allclose(ours.Q, ref, rtol=0, atol=1e-4 * step)  # same codes, float32 noise
+    np.testing.assert_allclose(ours.Q, ref, rtol=0, atol=1e-4 * step)  # same codes, float32 noise
     e_ours, e_ref = reconstruction_error(W, ours.Q, H), reconstruction_error(W, ref, H)
     assert abs(e_ours - e_ref) <= 2e-3 * e_ref
     assert abs(ours.err - e_ours) <= 1e-3 * e_ours  # the solve's own sum of e^2, less the dampening's part
     assert e_ours < reconstruction_error(W, rtn_quantize(W, spec).Q, H)
 
 
-def test_small_groups_use_updated_weights():
-    """G=32 < block 128: we equal the reference loop with the in-block updates visible (quirk a fixed)."""
+def test_small_groups_take_their_grid_at_the_block_start():
+    """G=32 < block 128: a group's grid comes from W as it stands when its block starts (the
+    reference's rule, and GPTQModel's), not from the columns the block's own updates have moved."""
     W, H = correlated_layer(seed=1)
     spec = QuantSpec(bits=4, group_size=32, sym=True, act_group_aware=False)
     ours = gptq_quantize(W, H, spec)
-    fixed = ref_fasterquant(W, H, 4, 32, True, False, False, quirk_a=False)
-    quirky = ref_fasterquant(W, H, 4, 32, True, False, False, quirk_a=True)
-    # same codes; a scale may land one fp16 ulp apart (float32 noise in the updated columns)
-    np.testing.assert_allclose(ours.Q, fixed, rtol=1.1e-3, atol=1e-6)
-    assert np.mean(np.abs(ours.Q - quirky) > 1e-6) > 0.01  # the difference is real, not a no-op
+    at_start = ref_fasterquant(W, H, 4, 32, True, False, False, quirk_a=True)
+    updated = ref_fasterquant(W, H, 4, 32, True, False, False, quirk_a=False)
+    differs = lambda ref: np.mean(np.abs(ours.Q - ref) > 1e-6)  # noqa: E731
+    # float32 noise may flip one rounding at a code boundary, and the feedback carries it along that row
+    assert differs(at_start) < 0.02 and differs(updated) > 0.5, (differs(at_start), differs(updated))
+    e_ours, e_ref = reconstruction_error(W, ours.Q, H), reconstruction_error(W, at_start, H)
+    assert abs(e_ours - e_ref) <= 2e-3 * e_ref
 
 
 @pytest.mark.parametrize("G,act,static", [(32, True, False), (128, False, False), (64, True, True), (-1, True, False)])

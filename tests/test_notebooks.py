@@ -90,6 +90,20 @@ def test_strip_removes_outputs(tmp_path):
     assert nbclean.dirty_cells(nbformat.read(path, as_version=4)) == []
 
 
+def test_saved_progress_bars_show_their_last_state(tmp_path):
+    """Each redraw of a text bar arrives as its own stream output; the saved notebook keeps the last."""
+    stream = lambda name, text: nbformat.v4.new_output("stream", name=name, text=text)  # noqa: E731
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("train()")])
+    nb.cells[0].outputs = [stream("stderr", "plan: 1 GB\n"), stream("stderr", "run:   0%|  | 0/2"),
+                           stream("stderr", "run:  50%|# | 1/2"), stream("stderr", "run: 100%|##| 2/2"),
+                           stream("stderr", "\n"), stream("stdout", "kept"), stream("stdout", " too\n")]
+    path = tmp_path / "x.ipynb"
+    nbformat.write(nb, path)
+    nbclean.settle_progress(path)
+    texts = [o.text for o in nbformat.read(path, as_version=4).cells[0].outputs]
+    assert texts == ["plan: 1 GB\n", "run: 100%|##| 2/2", "\n", "kept", " too\n"], texts  # nothing else lost
+
+
 def test_solutions_compile():
     files = sorted((nbrun.NOTEBOOK_DIR / "solutions").glob("*.py"))
     assert files, "notebooks/solutions/ holds no solution files"
@@ -120,13 +134,14 @@ def compile_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("jax-cache")
 
 
-def run_like_make_course(only: str, compile_cache, params: dict | None = None, timeout: int = 900):
+def run_like_make_course(only: str, compile_cache, params: dict | None = None, timeout: int = 900,
+                         model: str = "default"):
     """`python -m amdllm.course.notebooks run --out build/... --quick` from the repository root, as `make course`
     runs it: a relative --out, resolved by the runner against the command's working directory while the
     kernels run in notebooks/. Returns (summary records, the relative out dir); the caller removes it."""
     out = Path("build") / f"pytest-{only}-{uuid.uuid4().hex[:8]}"
     cmd = [sys.executable, "-m", "amdllm.course.notebooks", "run", "--out", str(out), "--quick", "--only", only,
-           "--compile-cache", str(compile_cache)]
+           "--compile-cache", str(compile_cache), "--model", model]
     for k, v in (params or {}).items():
         cmd += ["--param", f"{k}={v}"]
     env = {**os.environ, "PYTHONPATH": str(nbrun.REPO)}

@@ -217,6 +217,20 @@ def task_rows(n: int, seed: int, exclude: set | None = None) -> list[dict]:
     return rows
 
 
+def sum_rows(n: int, seed: int, exclude: set | None = None) -> list[dict]:
+    """`n` distinct Alpaca rows asking for the sum of two 2-digit numbers. The answer is no word of the
+    input, so a model must compute it: the course task's copying saturates a pretrained model."""
+    rng, rows, seen = random.Random(seed), [], set(exclude or ())
+    while len(rows) < n:
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        if f"{a} + {b}" in seen:
+            continue
+        seen.add(f"{a} + {b}")
+        rows.append({"instruction": "Add the two numbers. Answer with the sum only.", "input": f"{a} + {b}",
+                     "output": str(a + b)})
+    return rows
+
+
 def _jsonl(rows: list[dict]) -> str:
     return "".join(json.dumps(r) + "\n" for r in rows)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import jax
 import numpy as np
 from flax import nnx
-from tqdm.auto import tqdm
+from amdllm.progress import tqdm
 
 from amdllm.config import LlamaConfig
 import amdllm.course.corpus as corpus

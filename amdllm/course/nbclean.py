@@ -3,6 +3,8 @@
 """
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 from amdllm.files import atomic_write_text
@@ -63,3 +65,19 @@ def strip(paths: list[str] | None = None, check: bool = False) -> dict[str, list
             if not check:
                 atomic_write_text(path, nbformat.writes(strip_notebook(nb)) + "\n")
     return found
+
+
+def settle_progress(path: str | Path) -> None:
+    """An executed notebook's text progress bars as their last state. The kernel sends each redraw of a
+    bar ("desc:  40%|####  | 4/10 ...", no newline) as its own stream output; a redraw that the next
+    output of the same stream redraws again is dropped, so each viewer shows what a terminal would."""
+    if not Path(path).is_file():  # the notebook failed before papermill wrote it
+        return
+    bar = re.compile(r"\r?[^\n]*\d+%\|[^\n]*")
+    nb = json.loads(Path(path).read_text())
+    for cell in nb.get("cells", []):
+        outs = cell.get("outputs", [])
+        redraw = [o.get("output_type") == "stream" and bar.fullmatch("".join(o["text"])) is not None for o in outs]
+        cell["outputs"] = [o for i, o in enumerate(outs) if not (redraw[i] and i + 1 < len(outs) and redraw[i + 1]
+                                                                 and outs[i + 1]["name"] == o["name"])]
+    atomic_write_text(path, json.dumps(nb, indent=1, ensure_ascii=False) + "\n")

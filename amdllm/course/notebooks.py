@@ -1,6 +1,6 @@
 """Run the course notebooks headless, and keep them clean in git.
 
-    python -m amdllm.course.notebooks run --out build [--quick] [--only 01,03] [--param k=v]
+    python -m amdllm.course.notebooks run --out build [--quick] [--only 01,03] [--model smollm2] [--param k=v]
     python -m amdllm.course.notebooks strip [--check] [NOTEBOOK ...]
     python -m amdllm.course.notebooks kernel          # install the `amdllm` Jupyter kernel (make lab does)
 
@@ -26,22 +26,21 @@ from pathlib import Path
 import jax
 
 from amdllm.course.default_model import amdllm_home
-from amdllm.course.nbclean import NOTEBOOK_DIR, REPO, strip
+from amdllm.course.models import COURSE_MODELS, model_params
+from amdllm.course.nbclean import NOTEBOOK_DIR, REPO, settle_progress, strip
 from amdllm.files import atomic_write_text
 
-# Imports note: the notebook tooling (papermill, nbformat, ipykernel, jupyter_client) is imported where it
-# is used: nbformat alone costs seconds (jsonschema), and every notebook's final cell imports this module
-# for `record`.
+# Imports note: the notebook tooling (papermill, nbformat, ...) is imported where it is used: nbformat alone
+# costs seconds (jsonschema), and every notebook's final cell imports this module for `record`.
 
 KERNEL_NAME = "amdllm"
 KERNEL_DISPLAY_NAME = "amdllm (.venv)"
 NOTEBOOKS = ("00_setup", "01_weight_conversion", "02_mesh_sharding", "03_lora_finetuning",
              "04_gptq_quantization", "05_inference_and_serving")
 
-# Small sizes for `make test` (each notebook also reads `quick` for anything not listed here). They check
-# the mechanics, not the quality: 04 keeps 8 x 256 calibration tokens (GPTQ needs 2 x in_features = 1536)
-# and one batch of held-out windows; 05 packs its int4 model with RTN (no calibration; lesson 04 tests
-# GPTQ) and trains LoRA just long enough to learn the task's answer format (one word, then end-of-text).
+# Small sizes for `make test` (each notebook also reads `quick`), for the mechanics, not the quality: 04 keeps
+# 8 x 256 calibration tokens (GPTQ needs 2 x in_features = 1536) and one batch of held-out windows; 05 packs
+# with RTN (lesson 04 tests GPTQ) and trains LoRA just long enough to learn the answer format.
 QUICK_PARAMS: dict[str, dict] = {
     "03_lora_finetuning": {"train_steps": 40, "eval_examples": 24},
     "04_gptq_quantization": {"calib_samples": 8, "eval_tokens": 2048},
@@ -136,7 +135,8 @@ def _kernel_env(compile_cache: str | os.PathLike | None):
            "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "false"),
            "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
            "TRANSFORMERS_OFFLINE": os.environ.get("TRANSFORMERS_OFFLINE", "1"),
-           "MPLBACKEND": os.environ.get("MPLBACKEND", "module://matplotlib_inline.backend_inline")}
+           "MPLBACKEND": os.environ.get("MPLBACKEND", "module://matplotlib_inline.backend_inline"),
+           "AMDLLM_TEXT_PROGRESS": "1"}  # text bars: a saved widget shows "0%" (amdllm.progress)
     if compile_cache:
         Path(compile_cache).mkdir(parents=True, exist_ok=True)
         env["JAX_COMPILATION_CACHE_DIR"] = str(compile_cache)
@@ -213,10 +213,9 @@ def _cpu_seconds_of_children() -> float:
 
 def run_one(name: str, out: str | os.PathLike, *, quick: bool = False, timeout: int = 1200,
             parameters: dict | None = None, compile_cache: str | os.PathLike | None = None) -> dict:
-    """Execute notebooks/<name>.ipynb into OUT/<name>.ipynb on the `amdllm` kernel; return {name, ok,
-    seconds, cpu_seconds, results, error, executed}. OUT is resolved against the caller's working
-    directory. cpu_seconds is the kernel's CPU time (a fairer measure than wall time on a shared
-    machine); compile_cache is a JAX persistent compilation cache directory (None: no cache)."""
+    """Execute notebooks/<name>.ipynb into OUT/<name>.ipynb (OUT relative to the caller's directory) on the
+    `amdllm` kernel -> {name, ok, seconds, cpu_seconds (the kernel's, fairer than wall time on a shared
+    machine), results, error, executed}; compile_cache: a JAX persistent compilation cache (None: none)."""
 
     import papermill as pm  # notebook tooling: see the imports note above
     from nbformat.validator import MissingIDFieldWarning
@@ -256,6 +255,7 @@ def run_one(name: str, out: str | os.PathLike, *, quick: bool = False, timeout: 
             rec["error"] = " | ".join(line for line in msg[:6] if line.strip())[:600] or type(e).__name__
     finally:
         shutil.rmtree(socket_dir, ignore_errors=True)
+    settle_progress(rec["executed"])  # a text bar's last state, not all of them
     rec["seconds"] = round(time.time() - t0, 1)
     rec["cpu_seconds"] = round(_cpu_seconds_of_children() - cpu0, 1)
     if results_path.exists():
@@ -268,7 +268,8 @@ def run_one(name: str, out: str | os.PathLike, *, quick: bool = False, timeout: 
 
 def run(out: str | os.PathLike, *, quick: bool = False, only: list[str] | None = None,
         timeout: int = 1200, parameters: dict | None = None,
-        compile_cache: str | os.PathLike | None = None) -> list[dict]:
+        compile_cache: str | os.PathLike | None = None, model: str = "default") -> list[dict]:
+    """Run the notebooks in order on `model` (amdllm.course.models); `parameters` override its sizes."""
     names = resolve(only)
     declared = {p for n in names for p in declared_parameters(n)}
     unknown = set(parameters or {}) - declared
@@ -276,10 +277,11 @@ def run(out: str | os.PathLike, *, quick: bool = False, only: list[str] | None =
         known = sorted(declared - {"quick", "results_path", "work_dir"})
         raise ValueError(f"--param {', '.join(sorted(unknown))}: no selected notebook has such a parameter "
                          f"(they have: {', '.join(known)})")
-    recs = []
+    recs, preset = [], model_params(model, Path(out), quick)
     for name in names:
         print(f"[{time.strftime('%H:%M:%S')}] running {name} ...", file=sys.stderr, flush=True)
-        rec = run_one(name, out, quick=quick, timeout=timeout, parameters=parameters, compile_cache=compile_cache)
+        rec = run_one(name, out, quick=quick, timeout=timeout, parameters={**preset.get(name, {}), **(parameters or {})},
+                      compile_cache=compile_cache)
         print(f"[{time.strftime('%H:%M:%S')}] {name}: {'ok' if rec['ok'] else 'FAILED'} in {rec['seconds']} s "
               f"({rec['cpu_seconds']} CPU-s)", file=sys.stderr, flush=True)
         recs.append(rec)
@@ -351,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--out", default="build")
     r.add_argument("--quick", action="store_true", help="small sizes (what the tests use)")
     r.add_argument("--only", default=None, help="comma-separated notebooks, e.g. 01,03")
+    r.add_argument("--model", default="default", choices=COURSE_MODELS,
+                   help="the course's toy, or its real pretrained chat model (amdllm.course.models)")
     r.add_argument("--timeout", type=int, default=1200, help="seconds per cell")
     r.add_argument("--param", action="append", metavar="NAME=VALUE",
                    help="override a notebook parameter (all notebooks), e.g. --param model_dir=/data/llama")
@@ -368,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
                  else args.compile_cache or default_compile_cache())
         try:
             recs = run(args.out, quick=args.quick, only=args.only.split(",") if args.only else None,
-                       timeout=args.timeout, parameters=parse_params(args.param), compile_cache=cache)
+                       timeout=args.timeout, parameters=parse_params(args.param), compile_cache=cache,
+                       model=args.model)
         except (ValueError, OSError) as e:  # a bad --only or --param, an --out that cannot be written
             why = f"{e.filename}: {e.strerror} (--out {args.out})" if getattr(e, "filename", None) else e
             print(f"amdllm.course.notebooks: error: {why}", file=sys.stderr)

@@ -12,7 +12,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
+from amdllm.progress import tqdm
 
 from amdllm.infer.decode import inference_run
 from amdllm.model import forward, to_pure

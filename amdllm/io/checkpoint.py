@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
-from tqdm.auto import tqdm
+from amdllm.progress import tqdm
 
 from amdllm.config import LlamaConfig
 from amdllm.files import atomic_write_text, read_json

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import ml_dtypes
 import numpy as np
-from tqdm.auto import tqdm
+from amdllm.progress import tqdm
 
 from amdllm.files import atomic_path, atomic_write_text
 

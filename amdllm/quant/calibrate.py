@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tqdm.auto import tqdm
+from amdllm.progress import tqdm
 
 from amdllm import model as M
 import amdllm.model.fast as fast

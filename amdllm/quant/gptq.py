@@ -157,55 +157,42 @@ def rtn_quantize(W, spec: QuantSpec, scale_dtype=jnp.float16) -> QuantResult:
 # --------------------------------------------------------------------------------------------------
 # GPTQ
 # --------------------------------------------------------------------------------------------------
-def _solve_rows(W1, U1, cs, cz, s, z, *, maxq, sym, gdyn, scale_dtype):
+def _solve_rows(W1, U1, cs, cz, *, maxq):
     """Columns one at a time, held as rows: W1 [b, N] (row i is column i of the reference's [N, b],
-    so each step reads and writes contiguous rows); U1 [b, b] upper; cs/cz [b, N] the columns' preset
-    params (unused where gdyn > 0: then the params are recomputed from the *updated* W1 at every
-    gdyn-th column) -> Q1, C1, E1, S1, Z1 [b, N], and the last (s, z)."""
-    b, N = W1.shape
+    so each step reads and writes contiguous rows); U1 [b, b] upper; cs/cz [b, N] each column's grid
+    -> Q1, C1, E1 [b, N]."""
 
     def body(i, c):
-        W1, Q1, C1, E1, S1, Z1, s, z = c
+        W1, Q1, C1, E1 = c
         w = jax.lax.dynamic_index_in_dim(W1, i, axis=0, keepdims=False)       # [N]
-        if gdyn:
-            s, z = jax.lax.cond(i % gdyn == 0,
-                                lambda: find_params(jax.lax.dynamic_slice_in_dim(W1, i, gdyn, axis=0).T,
-                                                    maxq, sym, scale_dtype),
-                                lambda: (s, z))
-        else:
-            s = jax.lax.dynamic_index_in_dim(cs, i, axis=0, keepdims=False)
-            z = jax.lax.dynamic_index_in_dim(cz, i, axis=0, keepdims=False)
+        s = jax.lax.dynamic_index_in_dim(cs, i, axis=0, keepdims=False)
+        z = jax.lax.dynamic_index_in_dim(cz, i, axis=0, keepdims=False)
         code = quantize_codes(w, s, z, maxq)
         q = s * (code - z)
         e = (w - q) / U1[i, i]                                                # [N]
         W1 = W1 - U1[i][:, None] * e[None, :]  # U1 is upper triangular: rows < i are untouched
         upd = lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, i, axis=0)  # noqa: E731
-        return W1, upd(Q1, q), upd(C1, code), upd(E1, e), upd(S1, s), upd(Z1, z), s, z
+        return W1, upd(Q1, q), upd(C1, code), upd(E1, e)
 
     zeros = jnp.zeros_like(W1)
-    _, Q1, C1, E1, S1, Z1, s, z = jax.lax.fori_loop(0, b, body, (W1, zeros, zeros, zeros, zeros, zeros, s, z))
-    return Q1, C1, E1, S1, Z1, s, z
+    _, Q1, C1, E1 = jax.lax.fori_loop(0, W1.shape[0], body, (W1, zeros, zeros, zeros))
+    return Q1, C1, E1
 
 
-def _solve_block(W1, U1, cs, cz, s, z, *, maxq, sym, gdyn, scale_dtype, sub=SUB_BLOCK):
+def _solve_block(W1, U1, cs, cz, *, maxq, sub=SUB_BLOCK):
     """One block of b columns as rows (W1 [b, N]), in sub-blocks of `sub` rows: each column's rank-1
     update reaches only the rest of its sub-block, and one GEMM per sub-block brings the block's later
     rows up to date (the lazy batch update again, one level down: the same arithmetic in a different
-    order). The rank-1 steps, which touch a whole [rows, N] array each, were most of the solve.
-    A dynamic group (gdyn) must lie within one sub-block: its params are read from updated rows."""
-    b, N = W1.shape
-    sub = min(b, max(sub, gdyn))
-    if b % sub:
-        sub = b
+    order). The rank-1 steps, which touch a whole [rows, N] array each, were most of the solve."""
+    b = W1.shape[0]
+    sub = sub if b % sub == 0 else b
     outs = []
     for j0 in range(0, b, sub):
         j1 = j0 + sub
-        Q, C, E, S, Z, s, z = _solve_rows(W1[:sub], U1[j0:j1, j0:j1], cs[j0:j1], cz[j0:j1], s, z, maxq=maxq,
-                                          sym=sym, gdyn=gdyn, scale_dtype=scale_dtype)
+        Q, C, E = _solve_rows(W1[:sub], U1[j0:j1, j0:j1], cs[j0:j1], cz[j0:j1], maxq=maxq)
         W1 = W1[sub:] - U1[j0:j1, j1:].T @ E                                   # [b - j1, N]
-        outs.append((Q, C, E, S, Z))
-    Q1, C1, E1, S1, Z1 = (jnp.concatenate(o) for o in zip(*outs))
-    return Q1, C1, E1, S1, Z1, s, z
+        outs.append((Q, C, E))
+    return tuple(jnp.concatenate(o) for o in zip(*outs))
 
 
 @partial(jax.jit, static_argnames=("maxq", "sym", "G", "B", "static_groups", "scale_dtype"))
@@ -222,7 +209,7 @@ def _gptq_core(W, U, dead, perm, *, maxq, sym, G, B, static_groups, scale_dtype)
     fp = partial(find_params, maxq=maxq, sym=sym, scale_dtype=scale_dtype)
     W = jnp.where(dead[None, :], 0.0, W)
     # preset grids, from the ORIGINAL column order before any update: per row over all K (G=-1), or
-    # static groups; otherwise computed during the solve from the updated weights (see `block`)
+    # static groups; otherwise each group's is computed during the solve (see `block`)
     if G == -1:
         s0, z0 = fp(W)
         col_s, col_z = jnp.broadcast_to(s0[None, :], (K, N)), jnp.broadcast_to(z0[None, :], (K, N))
@@ -231,9 +218,7 @@ def _gptq_core(W, U, dead, perm, *, maxq, sym, G, B, static_groups, scale_dtype)
         col_s, col_z = ss[jnp.arange(K) // G], zz[jnp.arange(K) // G]
     else:
         col_s = col_z = jnp.ones((K, N), jnp.float32)
-    # groups smaller than a block ("dyn") take their scale from the columns as updated so far, as the paper
-    # states it; the reference takes them from W before the block's updates (identical for G % 128 == 0)
-    mode = "preset" if G == -1 or static_groups else ("group" if G % B == 0 else "dyn")
+    preset = G == -1 or static_groups
     Wt, col_s, col_z = W.T[perm], col_s[perm], col_z[perm]                   # [K, N], permuted rows
     # pad to whole blocks: zero weights on an identity corner quantize to 0 and feed back nothing
     Kp = -(-K // B) * B
@@ -241,7 +226,6 @@ def _gptq_core(W, U, dead, perm, *, maxq, sym, G, B, static_groups, scale_dtype)
         Wt = jnp.pad(Wt, ((0, Kp - K), (0, 0)))
         U = jnp.pad(U, ((0, Kp - K), (0, Kp - K))) + jnp.diag(jnp.arange(Kp) >= K).astype(U.dtype)
         col_s, col_z = (jnp.pad(a, ((0, Kp - K), (0, 0)), constant_values=1.0) for a in (col_s, col_z))
-    gdyn = G if mode == "dyn" else 0
     rows = jnp.arange(Kp)
 
     def block(carry, i1):
@@ -250,12 +234,17 @@ def _gptq_core(W, U, dead, perm, *, maxq, sym, G, B, static_groups, scale_dtype)
         U1 = jax.lax.dynamic_slice(U, (i1, i1), (B, B))
         cs = jax.lax.dynamic_slice_in_dim(col_s, i1, B, axis=0)
         cz = jax.lax.dynamic_slice_in_dim(col_z, i1, B, axis=0)
-        if mode == "group":  # groups start at block starts: params from W, which is exact there
+        # a group's grid comes from its columns as they stand when its block starts: after the earlier
+        # blocks' updates, before this block's own (the reference's rule, and GPTQModel's)
+        if not preset and G >= B:  # a group spans whole blocks: chosen at its first, carried on
             s, z = jax.lax.cond(i1 % G == 0, lambda: fp(jax.lax.dynamic_slice_in_dim(Wt, i1, G, axis=0).T),
                                 lambda: (s, z))
             cs, cz = jnp.broadcast_to(s[None, :], (B, N)), jnp.broadcast_to(z[None, :], (B, N))
-        Q1, C1, E1, S1, Z1, s, z = _solve_block(W1, U1, cs, cz, s, z, maxq=maxq, sym=sym, gdyn=gdyn,
-                                                scale_dtype=scale_dtype)
+        elif not preset:           # B // G groups in this block, each from the block's rows as they are now
+            gs, gz = jax.vmap(fp)(W1.reshape(B // G, G, N).transpose(0, 2, 1))  # [B // G, N]
+            cs, cz = jnp.repeat(gs, G, axis=0), jnp.repeat(gz, G, axis=0)
+        Q1, C1, E1 = _solve_block(W1, U1, cs, cz, maxq=maxq)
+        S1, Z1 = cs, cz
         # lazy batch update of the rows below the block: one [Kp,B] @ [B,N] GEMM (the full height
         # keeps shapes static; U's rows are zero left of the block, the mask drops the block)
         upd = jax.lax.dynamic_slice_in_dim(U, i1, B, axis=0).T @ E1              # [Kp, N]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from tqdm.auto import tqdm
+from amdllm.progress import tqdm
 
 from amdllm.files import atomic_write_text
 from amdllm.io.peft import save_adapter
