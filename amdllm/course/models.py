@@ -1,14 +1,10 @@
 """Which model the course runs on: `make course MODEL=smollm2` (the runner's `--model`).
 
 "default" is the embedded toy: fast, and what the tests check the mechanics on. "smollm2" is
-SmolLM2-135M-Instruct (`amdllm.course.chat_model`), a real pretrained chat model, with sizes that keep
-the six lessons within half an hour on 2 CPU cores. Its lessons read English prose
-(`amdllm.course.english`) wherever the toy reads the course's stories, because a real model finds the
-generated stories too easy to show what rounding costs. Lesson 03 trains it on two-digit sums
-(`corpus.sum_rows`): the course task, copying one word of a sentence, is too easy for it to show what
-rank and targets change. Lesson 05 keeps the course task, which the instruct model does not do in the
-task's one-word format before LoRA.
-"""
+SmolLM2-135M-Instruct (`amdllm.course.chat_model`), a real pretrained chat model, with sizes for 135M
+parameters. It reads English prose (`amdllm.course.english`) where the toy reads the generated stories,
+which a real model finds too easy to show what rounding costs. Lesson 03 trains it on two-digit sums
+(`corpus.sum_rows`), as copying one word is too easy for it to show what rank and targets change."""
 from __future__ import annotations
 
 import json
