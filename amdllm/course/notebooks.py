@@ -127,16 +127,16 @@ def default_compile_cache() -> Path:
 
 @contextlib.contextmanager
 def _kernel_env(compile_cache: str | os.PathLike | None):
-    """The environment the kernel (a child process) starts with, restored afterwards: this checkout's
-    amdllm importable even when not installed, offline Hugging Face, and the shared compilation cache.
-    Set only around the kernel's start so that the calling process (a pytest worker) is not changed."""
+    """The kernel's environment, set only around its start (the caller, a pytest worker, is not changed):
+    this checkout's amdllm importable, offline Hugging Face, the shared compilation cache, text bars."""
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = {"PYTHONPATH": os.pathsep.join(dict.fromkeys([str(REPO), *paths])),
            "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "false"),
            "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
            "TRANSFORMERS_OFFLINE": os.environ.get("TRANSFORMERS_OFFLINE", "1"),
            "MPLBACKEND": os.environ.get("MPLBACKEND", "module://matplotlib_inline.backend_inline"),
-           "AMDLLM_TEXT_PROGRESS": "1"}  # text bars: a saved widget shows "0%" (amdllm.progress)
+           # a saved widget shows "0%" (amdllm.progress); each redraw of a text bar is an output papermill handles
+           "AMDLLM_TEXT_PROGRESS": "1", "TQDM_MININTERVAL": os.environ.get("TQDM_MININTERVAL", "5")}
     if compile_cache:
         Path(compile_cache).mkdir(parents=True, exist_ok=True)
         env["JAX_COMPILATION_CACHE_DIR"] = str(compile_cache)
@@ -280,8 +280,8 @@ def run(out: str | os.PathLike, *, quick: bool = False, only: list[str] | None =
     recs, preset = [], model_params(model, Path(out), quick)
     for name in names:
         print(f"[{time.strftime('%H:%M:%S')}] running {name} ...", file=sys.stderr, flush=True)
-        rec = run_one(name, out, quick=quick, timeout=timeout, parameters={**preset.get(name, {}), **(parameters or {})},
-                      compile_cache=compile_cache)
+        rec = run_one(name, out, quick=quick, timeout=timeout, compile_cache=compile_cache,
+                      parameters={**preset.get(name, {}), **(parameters or {})})
         print(f"[{time.strftime('%H:%M:%S')}] {name}: {'ok' if rec['ok'] else 'FAILED'} in {rec['seconds']} s "
               f"({rec['cpu_seconds']} CPU-s)", file=sys.stderr, flush=True)
         recs.append(rec)

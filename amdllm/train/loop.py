@@ -222,7 +222,7 @@ def finetune(model: Llama, train_ds: data_mod.Dataset, out_dir, tc: TrainConfig 
                     "tokens_per_second": tok_s, "mfu": mfu, "trained_tokens": float(m["weight"]),
                     "step_seconds": dt, "epoch": data_mod.cursor(len(train_ds), n, global_batch)["epoch"]}))
                 write_metrics()
-            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}", mfu=f"{100 * mfu:.1f}%")
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}", mfu=f"{100 * mfu:.1f}%", refresh=False)
             if tc.eval_every and n % tc.eval_every == 0 and n < tc.steps:
                 run_eval(n)
             if tc.save_every and n % tc.save_every == 0 and n < tc.steps:
