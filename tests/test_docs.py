@@ -20,7 +20,7 @@ from amdllm import cli
 
 REPO = Path(__file__).resolve().parents[1]
 # directories the commands write, which a clean clone does not have yet
-OUTPUTS = ("build", "bench_results", ".venv", "runs", "work", "checkpoints", "merged")
+OUTPUTS = ("build", "build-smollm2", "bench_results", ".venv", "runs", "work", "checkpoints", "merged")
 NOT_PATHS = ("rocm/jax", "rocm/pytorch",  # container images
              "allenai/c4", "en/c4-")  # a Hub dataset and files inside it (docs/cli.md, --dataset)
 PATHLIKE = re.compile(r"`([A-Za-z0-9_.\-/]+)`|\]\(([A-Za-z0-9_.\-/#]+)\)")

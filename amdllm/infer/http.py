@@ -87,8 +87,9 @@ def server_config(app, *, log_level: str = "info", request_timeout: float = REQU
             pass  # the soft limit stays; the connection cap still holds
     return uvicorn.Config(app, http=guarded_protocol(float(request_timeout), int(max_connections)),
                           lifespan="off", log_level=log_level, **kw,
-                          # uvicorn answers 503 once its connections reach this; ours are held at the cap
-                          limit_concurrency=int(max_connections) + 1)
+                          # uvicorn answers 503 once its connections reach this. Ours are held at the cap,
+                          # but a silent one that gives way is closed asynchronously: the margin covers those
+                          limit_concurrency=2 * int(max_connections) + 1)
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
