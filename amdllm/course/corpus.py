@@ -231,7 +231,7 @@ def sum_rows(n: int, seed: int, exclude: set | None = None) -> list[dict]:
     return rows
 
 
-def _jsonl(rows: list[dict]) -> str:
+def jsonl(rows: list[dict]) -> str:
     return "".join(json.dumps(r) + "\n" for r in rows)
 
 
@@ -242,8 +242,8 @@ def generate_all() -> dict[str, str]:
     return {
         "corpus_train.txt": corpus(TRAIN_STORIES, SEEDS["train"]),
         "corpus_heldout.txt": corpus(HELDOUT_STORIES, SEEDS["heldout"]),
-        "task_train.jsonl": _jsonl(train_rows),
-        "task_heldout.jsonl": _jsonl(task_rows(TASK_HELDOUT_ROWS, SEEDS["task_heldout"], exclude=seen)),
+        "task_train.jsonl": jsonl(train_rows),
+        "task_heldout.jsonl": jsonl(task_rows(TASK_HELDOUT_ROWS, SEEDS["task_heldout"], exclude=seen)),
     }
 
 

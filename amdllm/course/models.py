@@ -7,11 +7,10 @@ which a real model finds too easy to show what rounding costs. Lesson 03 trains 
 (`corpus.sum_rows`), as copying one word is too easy for it to show what rank and targets change."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from amdllm.course.chat_model import chat_model_dir
-from amdllm.course.corpus import sum_rows
+from amdllm.course.corpus import jsonl, sum_rows
 from amdllm.course.english import calibration_text, evaluation_text
 from amdllm.files import atomic_write_text
 
@@ -36,22 +35,18 @@ def model_params(model: str, out: Path, quick: bool) -> dict[str, dict]:
         raise ValueError(f"--model {model!r}: expected one of {', '.join(COURSE_MODELS)}")
     if model == "default":
         return {}
-    texts = Path(out).resolve() / "work" / "english"
-    texts.mkdir(parents=True, exist_ok=True)
-    calib, held = texts / "calibration.txt", texts / "evaluation.txt"
-    atomic_write_text(calib, calibration_text())
-    atomic_write_text(held, evaluation_text())
-    common = {"model_dir": str(chat_model_dir()), "calib_text": str(calib), "eval_text": str(held)}
-    sums = Path(out).resolve() / "work" / "sums"
-    sums.mkdir(parents=True, exist_ok=True)
+    work = Path(out).resolve() / "work"
+    calib, held = work / "english" / "calibration.txt", work / "english" / "evaluation.txt"
+    sums_train, sums_held = work / "sums" / "sums_train.jsonl", work / "sums" / "sums_heldout.jsonl"
     train_rows = sum_rows(2000, seed=1)
-    heldout_rows = sum_rows(200, seed=2, exclude={r["input"] for r in train_rows})
-    for name, rows in (("sums_train.jsonl", train_rows), ("sums_heldout.jsonl", heldout_rows)):
-        atomic_write_text(sums / name, "".join(json.dumps(r) + "\n" for r in rows))
+    for path, text in ((calib, calibration_text()), (held, evaluation_text()), (sums_train, jsonl(train_rows)),
+                       (sums_held, jsonl(sum_rows(200, seed=2, exclude={r["input"] for r in train_rows})))):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, text)
+    common = {"model_dir": str(chat_model_dir()), "calib_text": str(calib), "eval_text": str(held)}
     params = {}
     for name in ("01_weight_conversion", "02_mesh_sharding", *SMOLLM2):
         full, small = SMOLLM2.get(name, ({}, {}))
         params[name] = {**common, **full, **(small if quick else {})}
-    params["03_lora_finetuning"].update(train_data=str(sums / "sums_train.jsonl"),
-                                        eval_data=str(sums / "sums_heldout.jsonl"))
+    params["03_lora_finetuning"].update(train_data=str(sums_train), eval_data=str(sums_held))
     return params
