@@ -28,7 +28,7 @@ for act in (False, True):
 #    well-trained small model moves in the third decimal). Bytes: 3-bit is held as dense fake-quantized
 #    weights, so they are the same for every group size here; on disk, `paper_bytes` gives the cost.
 cfg = checkpoint.load(model_dir).cfg
-for g in (-1, 128, 32):
+for g in (-1, 64, 32):
     p, _, err = ppl(quant.QuantSpec(bits=3, group_size=g), report=True)
     print(f"2. group {g:>4}: output error {err:8.2f}, perplexity {p:.4f}, "
           f"{quant.paper_bytes(cfg, 3, g)['total_bytes'] / 1e6:.2f} MB on paper")
