@@ -45,7 +45,7 @@ TIME_TARGET = 1.0   # amdllm's quantize time at most GPTQModel's
 
 
 def gptqmodel_side(model_dir: str, windows_npy: str, out: str, group_size: int, act_order: bool,
-                   act_group_aware: bool = False, own_defaults: bool = False) -> None:
+                   act_group_aware: bool = False, own_defaults: bool = False, mse: float = 0.0) -> None:
     """Runs in the GPTQModel interpreter: load, quantize, save; prints one JSON line with the seconds."""
     import numpy as np
     import torch
@@ -61,7 +61,7 @@ def gptqmodel_side(model_dir: str, windows_npy: str, out: str, group_size: int, 
     else:
         qc = QuantizeConfig(bits=4, group_size=group_size, sym=True, desc_act=act_order,
                             act_group_aware=act_group_aware and not act_order,
-                            damp_percent=0.01, true_sequential=True, offload_to_disk=False)
+                            damp_percent=0.01, true_sequential=True, offload_to_disk=False, mse=mse)
     # dtype float32 like amdllm's side (GPTQModel's "auto" loads bfloat16 on a CPU)
     model = GPTQModel.load(model_dir, qc, device="cpu", dtype=torch.float32)
     t1 = time.perf_counter()
@@ -129,11 +129,12 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--act-group-aware", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--gptqmodel-defaults", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--mse", type=float, default=0.0, help=argparse.SUPPRESS)
     ap.add_argument("--gptqmodel-side", nargs=3, metavar=("MODEL", "WINDOWS", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.gptqmodel_side:
         return gptqmodel_side(*args.gptqmodel_side, args.group_size, args.act_order, args.act_group_aware,
-                              args.gptqmodel_defaults)
+                              args.gptqmodel_defaults, args.mse)
 
     import numpy as np
 
@@ -172,7 +173,7 @@ def main() -> None:
             cmd = [sys.executable, "-m", "amdllm.cli", "quantize", "--model", str(model_dir), "--out",
                    str(tmp / method), "--method", method, "--samples", str(args.samples), "--seq-len",
                    str(args.seq_len), "--group-size", str(args.group_size), "--compare-rtn", "--json",
-                   "--no-act-group-aware"]  # GPTQModel's side runs without it too (above)
+                   "--no-act-group-aware", "--no-mse"]  # GPTQModel's side runs without them too (above)
             out, t = timed_child(cmd + (["--act-order"] if args.act_order else []))
             res = json.loads(out)
             q = checkpoint.load(tmp / method)

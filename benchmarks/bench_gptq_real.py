@@ -5,13 +5,16 @@ English prose with no download (`amdllm.course.english`): Python's standard-libr
 set of modules to calibrate on and another to score. Both tools quantize from the same
 calibration windows (--samples windows of --seq-len tokens, drawn for each of --seeds as the call
 `amdllm quantize --calib` makes, and handed to GPTQModel as token ids) with the same settings:
-4-bit, symmetric, true-sequential, damp 0.01, calibration batch 8. Three orders are compared for
-each group size:
+4-bit, symmetric, true-sequential, damp 0.01, calibration batch 8. For each group size it
+compares:
   - "gar": no act-order, with the group-aware order (GPTQModel's `act_group_aware`; both default to it);
   - "natural": no act-order, columns in order;
   - "act-order": desc_act, columns by decreasing diag(H);
-  - "defaults": each tool at its own defaults for the rest: amdllm's damp 0.01 against GPTQModel's
-    damp 0.05, both with the group-aware order (amdllm's side is the "gar" run again).
+  - "gar-mse", "act-order-mse": "gar" and "act-order" with the reference quantizer's grid search on both
+    sides (`amdllm quantize --mse`, GPTQModel's mse=2.4: each group's range shrunk to the least rounding
+    error); the three above run without it (`--no-mse`, GPTQModel's default);
+  - "defaults": each tool at its own defaults for the rest: amdllm's damp 0.01 and grid search against
+    GPTQModel's damp 0.05 and none, both with the group-aware order (amdllm's side is "gar-mse" again).
 Each side runs in its own process: `amdllm quantize`, the command a user runs, and GPTQModel 7.7
 in its own interpreter (see bench_gptq.py). Both checkpoints are read by amdllm's loader and scored
 by `amdllm eval`'s protocol (non-overlapping 256-token windows). Damage is perplexity minus
@@ -36,9 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gptq import find_gptqmodel_python, timed_child  # noqa: E402
 from common import table, write_json  # noqa: E402
 
-ORDERS = {"gar": [], "natural": ["--no-act-group-aware"], "act-order": ["--act-order"], "defaults": []}
+ORDERS = {"gar": ["--no-mse"], "natural": ["--no-act-group-aware", "--no-mse"], "act-order": ["--act-order", "--no-mse"],
+          "gar-mse": ["--mse"], "act-order-mse": ["--act-order", "--mse"], "defaults": []}
 GPTQMODEL_FLAGS = {"gar": ["--act-group-aware"], "natural": [], "act-order": ["--act-order"],
-                   "defaults": ["--gptqmodel-defaults"]}
+                   "defaults": ["--gptqmodel-defaults"], "gar-mse": ["--act-group-aware", "--mse", "2.4"],
+                   "act-order-mse": ["--act-order", "--mse", "2.4"]}
 
 
 def main() -> None:
@@ -91,12 +96,13 @@ def main() -> None:
                     continue
                 out = tmp / f"rtn{G}"
                 _, t = timed_child([sys.executable, "-m", "amdllm.cli", "quantize", "--model", str(model_dir),
-                                    "--out", str(out), "--method", "rtn", "--group-size", str(G), *common])
+                                    "--out", str(out), "--method", "rtn", "--group-size", str(G), *common,
+                                    "--no-mse"])  # the plain rounding, the baseline every order is held to
                 rows.append({"model": f"RTN g{G}", "seed": seed, "perplexity": ppl(out), "wall_s": t["wall_s"]})
                 done = {}
                 for order in args.orders.split(","):
-                    if order == "defaults" and "gar" in done:  # amdllm's defaults are the "gar" run
-                        ours = done["gar"]
+                    if order == "defaults" and "gar-mse" in done:  # amdllm's defaults are the "gar-mse" run
+                        ours = done["gar-mse"]
                     else:
                         out = tmp / f"amdllm-{order}{G}"
                         _, t = timed_child([sys.executable, "-m", "amdllm.cli", "quantize", "--model", str(model_dir),

@@ -10,10 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import amdllm
 from amdllm import cli, env
+from amdllm.io.gptq_format import read_checkpoint_tensors
 from tests.test_evaluate import reference_perplexity
 from tests.test_generate import hf_greedy
 from tests.tiny import make_hf_checkpoint
@@ -83,6 +85,24 @@ def test_quantize_names_the_text_it_calibrated_on(ckpt, tmp_path, capfd):
     out, err = capfd.readouterr()
     assert "no --calib given: calibrating on the course's stories" in err and "corpus_train.txt" in err
     assert json.loads(out.strip().splitlines()[-1])["calibration"]["calib"].endswith("corpus_train.txt")
+
+
+def test_quantize_searches_the_grid_by_default_and_says_so(ckpt, tmp_path, capfd):
+    """The default searches each group's range (the reference's mse), --no-mse keeps the min-max grid;
+    the JSON and quantize_config.json's meta.mse (GPTQModel's field: the norm, 0 for none) say which,
+    and the two give different scales."""
+    d, _, _ = ckpt
+    common = ["--model", str(d), "--bits", "4", "--group-size", "32", "--samples", "8", "--seq-len", "32", "--json"]
+    scales = {}
+    for flags, norm in (([], 2.4), (["--no-mse"], 0.0)):
+        out_dir = tmp_path / f"q{norm}"
+        assert cli.main(["quantize", *common, "--out", str(out_dir), *flags]) == 0
+        res = json.loads(capfd.readouterr().out.strip().splitlines()[-1])
+        assert res["mse"] is (norm > 0)
+        assert json.loads((out_dir / "quantize_config.json").read_text())["meta"]["mse"] == norm
+        t = read_checkpoint_tensors(out_dir)
+        scales[norm] = np.concatenate([t[k].astype(np.float32).ravel() for k in sorted(t) if k.endswith(".scales")])
+    assert scales[2.4].mean() < scales[0.0].mean()  # shrunk ranges: smaller scales on the whole
 
 
 def test_eval_with_peft_adapter_and_bf16(ckpt, tmp_path, capfd):

@@ -16,7 +16,7 @@ from amdllm.quant import GPTQError, QuantSpec, gptq_quantize, reconstruction_err
 # group params are read from W (as the block starts), as the reference and GPTQModel do and we do;
 # False reads them from W1 (the columns as the block's own updates left them).
 # ------------------------------------------------------------------------------------------------
-def ref_find_params(x, maxq, sym):
+def ref_find_params(x, maxq, sym, mse=False):
     tmp = torch.zeros(x.shape[0])
     xmin = torch.minimum(x.min(1)[0], tmp)
     xmax = torch.maximum(x.max(1)[0], tmp)
@@ -32,6 +32,18 @@ def ref_find_params(x, maxq, sym):
     # the one addition to the reference: scales are stored fp16, and we choose them as stored (see gptq.py)
     scale = torch.clamp(scale, min=6.2e-5).half().float()
     zero = torch.full_like(scale, (maxq + 1) / 2) if sym else torch.round(-xmin / scale)
+    if mse:  # the reference's search: grid 100, maxshrink 0.8, norm 2.4
+        best = torch.full([x.shape[0]], float("inf"))
+        for i in range(int(0.8 * 100)):
+            p = 1 - i / 100
+            xmin1, xmax1 = p * xmin, p * xmax
+            scale1 = torch.clamp((xmax1 - xmin1) / maxq, min=6.2e-5).half().float()
+            zero1 = torch.round(-xmin1 / scale1) if not sym else zero
+            q = ref_quantize(x, scale1.unsqueeze(1), zero1.unsqueeze(1), maxq)
+            err = torch.sum((q - x).abs().pow(2.4), 1)
+            tmp = err < best
+            if torch.any(tmp):
+                best[tmp], scale[tmp], zero[tmp] = err[tmp], scale1[tmp], zero1[tmp]
     return scale.unsqueeze(1), zero.unsqueeze(1)
 
 
@@ -48,18 +60,18 @@ def ref_gar_perm(diag, groupsize):
 
 
 def ref_fasterquant(W, H, bits, groupsize, sym, actorder, static_groups, percdamp=0.01, blocksize=128,
-                    quirk_a=True, gar=False):
+                    quirk_a=True, gar=False, mse=False):
     """gar: GPTQModel's act_group_aware, which permutes as actorder does, with its own order."""
     W = torch.tensor(np.asarray(W), dtype=torch.float32).clone()
     H = torch.tensor(np.asarray(H), dtype=torch.float32).clone()
     maxq = 2 ** bits - 1
     columns = W.shape[1]
-    scale, zero = ref_find_params(W, maxq, sym)
+    scale, zero = ref_find_params(W, maxq, sym, mse)
     dead = torch.diag(H) == 0
     H[dead, dead] = 1
     W[:, dead] = 0
     if static_groups:
-        groups = [ref_find_params(W[:, i:i + groupsize], maxq, sym) for i in range(0, columns, groupsize)]
+        groups = [ref_find_params(W[:, i:i + groupsize], maxq, sym, mse) for i in range(0, columns, groupsize)]
     if actorder or gar:
         perm = (torch.argsort(torch.diag(H), descending=True, stable=True) if actorder
                 else ref_gar_perm(torch.diag(H), groupsize))
@@ -91,7 +103,7 @@ def ref_fasterquant(W, H, bits, groupsize, sym, actorder, static_groups, percdam
                     if (i1 + i) % groupsize == 0:
                         src = W[:, (i1 + i):(i1 + i + groupsize)] if quirk_a else \
                             torch.cat([W1[:, i:], W[:, i2:]], 1)[:, :groupsize]
-                        scale, zero = ref_find_params(src, maxq, sym)
+                        scale, zero = ref_find_params(src, maxq, sym, mse)
                 else:
                     idx = i1 + i
                     if actorder:
@@ -120,7 +132,7 @@ def correlated_layer(N=48, K=256, n=2048, seed=0):
     return W, H.astype(np.float32)
 
 
-CASES = [  # (bits, groupsize, sym, actorder, static_groups, act_group_aware)
+CASES = [  # (bits, groupsize, sym, actorder, static_groups, act_group_aware[, mse])
     (4, 128, True, False, False, False),
     (4, -1, False, False, False, False),
     (4, 128, True, True, False, False),
@@ -130,21 +142,38 @@ CASES = [  # (bits, groupsize, sym, actorder, static_groups, act_group_aware)
     (4, 128, True, False, False, True),
     (4, 64, True, False, False, True),
     (3, 256, False, False, False, True),
+    (4, 64, True, False, False, True, True),
+    (4, 128, False, True, False, False, True),
+    (4, -1, True, False, False, False, True),
 ]
 
 
-@pytest.mark.parametrize("bits,G,sym,act,static,gar", CASES)
-def test_matches_reference_loop(bits, G, sym, act, static, gar):
+@pytest.mark.parametrize("bits,G,sym,act,static,gar,mse", [c if len(c) == 7 else (*c, False) for c in CASES])
+def test_matches_reference_loop(bits, G, sym, act, static, gar, mse):
     W, H = correlated_layer()
-    spec = QuantSpec(bits=bits, group_size=G, sym=sym, act_order=act, static_groups=static, act_group_aware=gar)
+    spec = QuantSpec(bits=bits, group_size=G, sym=sym, act_order=act, static_groups=static, act_group_aware=gar,
+                     mse=mse)
     ours = gptq_quantize(W, H, spec)
-    ref = ref_fasterquant(W, H, bits, G, sym, act, static, gar=gar)
+    ref = ref_fasterquant(W, H, bits, G, sym, act, static, gar=gar, mse=mse)
     step = np.abs(ref).max() / (2 ** bits - 1)
     np.testing.assert_allclose(ours.Q, ref, rtol=0, atol=1e-4 * step)  # same codes, float32 noise
     e_ours, e_ref = reconstruction_error(W, ours.Q, H), reconstruction_error(W, ref, H)
     assert abs(e_ours - e_ref) <= 2e-3 * e_ref
     assert abs(ours.err - e_ours) <= 1e-3 * e_ours  # the solve's own sum of e^2, less the dampening's part
     assert e_ours < reconstruction_error(W, rtn_quantize(W, spec).Q, H)
+
+
+def test_the_grid_search_rounds_closer_than_the_full_range():
+    """RTN with the reference's mse search: each group's grid rounds its weights with no more error
+    (in the searched norm) than the full range does, and on heavy-tailed weights with less."""
+    W = np.random.default_rng(3).standard_t(3, size=(64, 256)).astype(np.float32) * 0.02
+    for G in (-1, 64):
+        plain, searched = (rtn_quantize(W, QuantSpec(group_size=G, mse=m)) for m in (False, True))
+        e = [np.abs(r.Q - W) ** 2.4 for r in (plain, searched)]
+        rows = lambda a: a.reshape(64, -1, 256 if G == -1 else G).sum(-1)  # noqa: E731
+        assert np.all(rows(e[1]) <= rows(e[0]) * (1 + 1e-5)) and e[1].sum() < 0.95 * e[0].sum()
+        scales, ref = searched.scales, ref_find_params(torch.tensor(W[:, :256 if G == -1 else G]), 15, True, True)[0]
+        np.testing.assert_allclose(scales[0], ref.numpy().ravel(), rtol=1e-6)  # the reference's choice
 
 
 def test_small_groups_take_their_grid_at_the_block_start():

@@ -257,6 +257,9 @@ def _quantize(sub) -> None:
     p.add_argument("--static-groups", action="store_true", help="group params from the original weights")
     p.add_argument("--act-group-aware", action=argparse.BooleanOptionalAction, default=True,
                    help="GPTQModel's GAR: solve groups by importance, g_idx stays in order (default on)")
+    p.add_argument("--mse", action=argparse.BooleanOptionalAction, default=True,
+                   help="search each group's grid range for the least rounding error, as the reference's "
+                        "mse option does (default on; --no-mse: the plain min-max grid)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--sym", dest="sym", action="store_true", default=True, help="symmetric grid (default)")
     g.add_argument("--asym", dest="sym", action="store_false", help="asymmetric grid (saved as gptq_v2)")

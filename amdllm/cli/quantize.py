@@ -19,7 +19,7 @@ from amdllm.io.checkpoint import load, stored_dtype
 from amdllm.io.gptq_format import quant_config_dict, save_quantized
 from amdllm.io.tokenizer import encoder
 from amdllm.quant.calibrate import model_bytes, quantize_model
-from amdllm.quant.gptq import QuantSpec, check_group_size, gar_applies
+from amdllm.quant.gptq import MSE_NORM, QuantSpec, check_group_size, gar_applies
 
 
 def run(args) -> int:
@@ -37,7 +37,7 @@ def run_quantize(args) -> dict:
     args.seq_len = check_context(args.seq_len, cfg, model_dir)
     spec = QuantSpec(bits=args.bits, group_size=args.group_size, sym=args.sym, act_order=args.act_order,
                      static_groups=args.static_groups, act_group_aware=args.act_group_aware,
-                     percdamp=args.damp,
+                     percdamp=args.damp, mse=args.mse,
                      true_sequential=not args.no_true_sequential)
     if args.bits == 3:
         raise ValueError("--bits 3 runs in memory (amdllm.quant.quantize_model) but the packed format "
@@ -67,13 +67,14 @@ def run_quantize(args) -> dict:
                                  compare_rtn=args.compare_rtn)
     qc = quant_config_dict(spec.bits, spec.group_size, spec.sym, spec.act_order,
                            static_groups=spec.static_groups, damp_percent=spec.percdamp,
-                           true_sequential=spec.true_sequential, act_group_aware=gar_applies(spec))
+                           true_sequential=spec.true_sequential, act_group_aware=gar_applies(spec),
+                           mse=MSE_NORM if spec.mse else 0.0)
     with staged_dir(args.out) as staging:  # appears whole; an earlier result (--overwrite) goes only then
         save_quantized(model, staging, qc, tokenizer_from=model_dir)
         if rows:
             atomic_write_text(staging / "gptq_report.json", json.dumps(rows, indent=1))
     return {"out": str(args.out), "method": args.method, "bits": spec.bits, "group_size": spec.group_size,
-            "sym": spec.sym, "act_order": spec.act_order, "act_group_aware": gar_applies(spec),
+            "sym": spec.sym, "act_order": spec.act_order, "act_group_aware": gar_applies(spec), "mse": spec.mse,
             "format": qc["checkpoint_format"],
             "seconds": round(time.perf_counter() - t0, 3), "model_bytes": model_bytes(model),
             "gptq_err": sum(r["gptq_err"] for r in rows) if rows else None,

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from amdllm.course.chat_model import chat_model_dir
 from amdllm.course.corpus import jsonl, sum_rows
+from amdllm.course.default_model import task_paths
 from amdllm.course.english import calibration_text, evaluation_text
 from amdllm.files import atomic_write_text
 
@@ -18,6 +19,9 @@ COURSE_MODELS = ("default", "smollm2")
 
 # Per lesson: full sizes, then what --quick changes (the tests). GPTQ needs 2 x in_features calibration
 # tokens per projection (down_proj reads 1536 features), so the quick run keeps 12 windows of 256.
+# Lesson 05 scores the held-out task rows seven times (two runs' before and after, three models): its
+# quick run reads the first QUICK_EVAL_ROWS of them.
+QUICK_EVAL_ROWS = 32
 SMOLLM2 = {
     "03_lora_finetuning": ({"train_steps": 40, "batch_size": 4, "seq_len": 128, "eval_examples": 60},
                            {"train_steps": 8, "batch_size": 2, "eval_examples": 6}),
@@ -49,4 +53,10 @@ def model_params(model: str, out: Path, quick: bool) -> dict[str, dict]:
         full, small = SMOLLM2.get(name, ({}, {}))
         params[name] = {**common, **full, **(small if quick else {})}
     params["03_lora_finetuning"].update(train_data=str(sums_train), eval_data=str(sums_held))
+    if quick:
+        task_train, task_held = task_paths()
+        first = work / "task" / f"{task_held.stem}_first{QUICK_EVAL_ROWS}.jsonl"
+        first.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(first, "".join(task_held.read_text().splitlines(keepends=True)[:QUICK_EVAL_ROWS]))
+        params["05_inference_and_serving"].update(train_data=str(task_train), eval_data=str(first))
     return params

@@ -70,12 +70,13 @@ def read_checkpoint_tensors(path: Path) -> dict[str, np.ndarray]:
 # Config
 # --------------------------------------------------------------------------------------------------
 def quant_config_dict(bits, group_size, sym, desc_act, *, static_groups=False, damp_percent=0.01,
-                      true_sequential=True, checkpoint_format=None, act_group_aware=False) -> dict:
+                      true_sequential=True, checkpoint_format=None, act_group_aware=False, mse=0.0) -> dict:
     fmt = checkpoint_format or ("gptq" if sym else "gptq_v2")  # asym zero 0 does not survive v1
     return {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act,
             "sym": sym, "true_sequential": true_sequential, "damp_percent": damp_percent,
             "static_groups": static_groups, "lm_head": False, "checkpoint_format": fmt, "format": fmt,
-            "meta": {"quantizer": ["amdllm"], "act_group_aware": act_group_aware}}
+            "meta": {"quantizer": ["amdllm"], "act_group_aware": act_group_aware,
+                     "mse": mse}}  # GPTQModel's meta field: the grid search's norm, 0 for none
 
 
 def is_quantized(path: Path, raw: dict) -> bool:

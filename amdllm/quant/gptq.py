@@ -21,6 +21,7 @@ from amdllm.quant.hessian import GPTQError, hessian_inverse, mean_diagonal  # no
 SOLVER_BITS = (2, 3, 4, 8)
 GROUP_SIZES = (-1, 16, 32, 64, 128, 256, 512, 1024)  # GPTQModel's allowed values
 SUB_BLOCK = 32  # rows of `_solve_block`'s rank-1 steps
+MSE_GRID, MSE_MAXSHRINK, MSE_NORM = 100, 0.8, 2.4  # the reference's search: shrinks 1 - i / 100, i < 80
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class QuantSpec:
     percdamp: float = 0.01
     blocksize: int = 128
     true_sequential: bool = True
+    mse: bool = False             # search each grid's range for the least rounding error (`find_params`)
 
     def __post_init__(self):
         if self.bits not in SOLVER_BITS:
@@ -108,10 +110,10 @@ class QuantResult:
 # --------------------------------------------------------------------------------------------------
 # The grid (GPTQ's quantizer): unsigned codes 0..maxq in both modes, zero = 2^(b-1) when symmetric
 # --------------------------------------------------------------------------------------------------
-def find_params(x, maxq: int, sym: bool, scale_dtype=jnp.float16):
-    """x [N, n] -> per-row (scale [N], zero [N]) float32 over the row's range (which always holds 0)."""
-    xmin = jnp.minimum(x.min(axis=1), 0.0)
-    xmax = jnp.maximum(x.max(axis=1), 0.0)
+def _minmax(x, maxq: int, sym: bool, scale_dtype, shrink=1.0):
+    """Scale and zero over the row's range times `shrink`, which always holds 0."""
+    xmin = jnp.minimum(x.min(axis=1), 0.0) * shrink
+    xmax = jnp.maximum(x.max(axis=1), 0.0) * shrink
     if sym:
         xmax = jnp.maximum(jnp.abs(xmin), xmax)
         xmin = jnp.where(xmin < 0, -xmax, xmin)  # reference: a row without negatives keeps xmin = 0
@@ -121,6 +123,29 @@ def find_params(x, maxq: int, sym: bool, scale_dtype=jnp.float16):
     if jnp.dtype(scale_dtype) != jnp.float32:  # the stored scale; floor at fp16's smallest normal
         scale = jnp.maximum(scale, 6.2e-5).astype(scale_dtype).astype(jnp.float32)
     zero = jnp.full_like(scale, (maxq + 1) // 2) if sym else jnp.round(-xmin / scale)
+    return scale, zero
+
+
+def find_params(x, maxq: int, sym: bool, scale_dtype=jnp.float16, mse: bool = False):
+    """x [N, n] -> per-row (scale [N], zero [N]) float32. The grid spans the row's range; with `mse`,
+    the range shrunk by the factor (1, 0.99, ..., 0.21) whose grid rounds the row with the least
+    sum |error|^2.4 (the reference quantizer's `mse` search: clipping a rare outlier can buy a finer
+    grid for all the other weights)."""
+    scale, zero = _minmax(x, maxq, sym, scale_dtype)
+    if not mse:
+        return scale, zero
+
+    def err(s, z):
+        return jnp.sum(jnp.abs(fake_quant(x, s[:, None], z[:, None], maxq) - x) ** MSE_NORM, axis=1)
+
+    def body(i, c):
+        best, s0, z0 = c
+        s1, z1 = _minmax(x, maxq, sym, scale_dtype, shrink=1.0 - i / MSE_GRID)
+        e = err(s1, z1)
+        better = e < best
+        return jnp.where(better, e, best), jnp.where(better, s1, s0), jnp.where(better, z1, z0)
+
+    _, scale, zero = jax.lax.fori_loop(1, int(MSE_MAXSHRINK * MSE_GRID), body, (err(scale, zero), scale, zero))
     return scale, zero
 
 
@@ -135,11 +160,11 @@ def fake_quant(w, scale, zero, maxq: int):
 # --------------------------------------------------------------------------------------------------
 # RTN: the same grid, no error feedback
 # --------------------------------------------------------------------------------------------------
-@partial(jax.jit, static_argnames=("maxq", "sym", "G", "scale_dtype"))
-def _rtn_core(W, *, maxq, sym, G, scale_dtype):
+@partial(jax.jit, static_argnames=("maxq", "sym", "G", "scale_dtype", "mse"))
+def _rtn_core(W, *, maxq, sym, G, scale_dtype, mse=False):
     N, K = W.shape
     Wg = W.reshape(N, K // G, G).transpose(1, 0, 2)                     # [n_g, N, G]
-    s, z = jax.vmap(lambda w: find_params(w, maxq, sym, scale_dtype))(Wg)  # [n_g, N]
+    s, z = jax.vmap(lambda w: find_params(w, maxq, sym, scale_dtype, mse))(Wg)  # [n_g, N]
     g_idx = jnp.arange(K) // G
     codes = quantize_codes(W, s[g_idx].T, z[g_idx].T, maxq)
     return s[g_idx].T * (codes - z[g_idx].T), codes, s, z
@@ -149,7 +174,8 @@ def rtn_quantize(W, spec: QuantSpec, scale_dtype=jnp.float16) -> QuantResult:
     """W [N, K] -> QuantResult with groups of consecutive input columns."""
     W = jnp.asarray(W, jnp.float32)
     G = spec.groups(W.shape[1])
-    Q, codes, s, z = _rtn_core(W, maxq=spec.maxq, sym=spec.sym, G=G, scale_dtype=jnp.dtype(scale_dtype).name)
+    Q, codes, s, z = _rtn_core(W, maxq=spec.maxq, sym=spec.sym, G=G, scale_dtype=jnp.dtype(scale_dtype).name,
+                               mse=spec.mse)
     return QuantResult(np.asarray(Q), np.asarray(codes, np.int32), np.asarray(s), np.asarray(z, np.int32),
                        (np.arange(W.shape[1]) // G).astype(np.int32))
 
@@ -195,8 +221,8 @@ def _solve_block(W1, U1, cs, cz, *, maxq, sub=SUB_BLOCK):
     return tuple(jnp.concatenate(o) for o in zip(*outs))
 
 
-@partial(jax.jit, static_argnames=("maxq", "sym", "G", "B", "static_groups", "scale_dtype"))
-def _gptq_core(W, U, dead, perm, *, maxq, sym, G, B, static_groups, scale_dtype):
+@partial(jax.jit, static_argnames=("maxq", "sym", "G", "B", "static_groups", "scale_dtype", "mse"))
+def _gptq_core(W, U, dead, perm, *, maxq, sym, G, B, static_groups, scale_dtype, mse=False):
     """The whole solve as ONE compiled function per (shape, settings): a Python loop over blocks
     here would cost an eager dispatch (and a compile per shape) for every slice and update.
     W [N, K] original order; U [K, K] for the permuted columns; dead [K] bool; perm [K] (identity
@@ -206,7 +232,7 @@ def _gptq_core(W, U, dead, perm, *, maxq, sym, G, B, static_groups, scale_dtype)
     time, and as rows each one is contiguous (as [N, K] columns, each step's reads and five writes
     touched a cache line per output row, and took most of the time)."""
     N, K = W.shape
-    fp = partial(find_params, maxq=maxq, sym=sym, scale_dtype=scale_dtype)
+    fp = partial(find_params, maxq=maxq, sym=sym, scale_dtype=scale_dtype, mse=mse)
     W = jnp.where(dead[None, :], 0.0, W)
     # preset grids, from the ORIGINAL column order before any update: per row over all K (G=-1), or
     # static groups; otherwise each group's is computed during the solve (see `block`)
@@ -261,7 +287,8 @@ def _gptq_core(W, U, dead, perm, *, maxq, sym, G, B, static_groups, scale_dtype)
 def core_kwargs(spec: QuantSpec, scale_dtype=jnp.float16) -> dict:
     """The static settings `_gptq_core` is compiled for (also what amdllm.quant.calibrate compiles ahead)."""
     return dict(maxq=spec.maxq, sym=spec.sym, G=spec.group_size, B=spec.blocksize,
-                static_groups=spec.static_groups and spec.group_size != -1, scale_dtype=jnp.dtype(scale_dtype).name)
+                static_groups=spec.static_groups and spec.group_size != -1, scale_dtype=jnp.dtype(scale_dtype).name,
+                mse=spec.mse)
 
 
 @jax.jit
@@ -339,9 +366,9 @@ def reconstruction_error(W, Q, H) -> float:
     return float(_recon_err(*(jnp.asarray(a, jnp.float32) for a in (W, Q, H))))
 
 
-@partial(jax.jit, static_argnames=("maxq", "sym", "G", "scale_dtype"))
-def _rtn_error(W, H, h_scale, *, maxq, sym, G, scale_dtype):
-    return _recon_err(W, _rtn_core(W, maxq=maxq, sym=sym, G=G, scale_dtype=scale_dtype)[0], H * h_scale)
+@partial(jax.jit, static_argnames=("maxq", "sym", "G", "scale_dtype", "mse"))
+def _rtn_error(W, H, h_scale, *, maxq, sym, G, scale_dtype, mse=False):
+    return _recon_err(W, _rtn_core(W, maxq=maxq, sym=sym, G=G, scale_dtype=scale_dtype, mse=mse)[0], H * h_scale)
 
 
 def rtn_error(W, H, spec: QuantSpec, scale_dtype=jnp.float16, h_scale: float = 1.0) -> float:
@@ -354,4 +381,5 @@ def rtn_error(W, H, spec: QuantSpec, scale_dtype=jnp.float16, h_scale: float = 1
 
 def errors_kwargs(spec: QuantSpec, K: int, scale_dtype=jnp.float16) -> dict:
     """The static settings `_rtn_error` is compiled for, in_features K (also amdllm.quant.calibrate's compile-ahead)."""
-    return dict(maxq=spec.maxq, sym=spec.sym, G=spec.groups(K), scale_dtype=jnp.dtype(scale_dtype).name)
+    return dict(maxq=spec.maxq, sym=spec.sym, G=spec.groups(K), scale_dtype=jnp.dtype(scale_dtype).name,
+                mse=spec.mse)
