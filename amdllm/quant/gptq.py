@@ -110,15 +110,19 @@ class QuantResult:
 # --------------------------------------------------------------------------------------------------
 # The grid (GPTQ's quantizer): unsigned codes 0..maxq in both modes, zero = 2^(b-1) when symmetric
 # --------------------------------------------------------------------------------------------------
-def _minmax(x, maxq: int, sym: bool, scale_dtype, shrink=1.0):
-    """Scale and zero over the row's range times `shrink`, which always holds 0."""
-    xmin = jnp.minimum(x.min(axis=1), 0.0) * shrink
-    xmax = jnp.maximum(x.max(axis=1), 0.0) * shrink
+def _range(x, sym: bool):
+    """Per-row (xmin, xmax) of x [N, n], widened to hold 0; mirrored when symmetric; (-1, 1) for a zero row."""
+    xmin = jnp.minimum(x.min(axis=1), 0.0)
+    xmax = jnp.maximum(x.max(axis=1), 0.0)
     if sym:
         xmax = jnp.maximum(jnp.abs(xmin), xmax)
         xmin = jnp.where(xmin < 0, -xmax, xmin)  # reference: a row without negatives keeps xmin = 0
     both0 = (xmin == 0) & (xmax == 0)
-    xmin, xmax = jnp.where(both0, -1.0, xmin), jnp.where(both0, 1.0, xmax)
+    return jnp.where(both0, -1.0, xmin), jnp.where(both0, 1.0, xmax)
+
+
+def _grid(xmin, xmax, maxq: int, sym: bool, scale_dtype):
+    """(scale, zero) of the grid spanning [xmin, xmax]."""
     scale = (xmax - xmin) / maxq
     if jnp.dtype(scale_dtype) != jnp.float32:  # the stored scale; floor at fp16's smallest normal
         scale = jnp.maximum(scale, 6.2e-5).astype(scale_dtype).astype(jnp.float32)
@@ -131,7 +135,8 @@ def find_params(x, maxq: int, sym: bool, scale_dtype=jnp.float16, mse: bool = Fa
     the range shrunk by the factor (1, 0.99, ..., 0.21) whose grid rounds the row with the least
     sum |error|^2.4 (the reference quantizer's `mse` search: clipping a rare outlier can buy a finer
     grid for all the other weights)."""
-    scale, zero = _minmax(x, maxq, sym, scale_dtype)
+    xmin, xmax = _range(x, sym)
+    scale, zero = _grid(xmin, xmax, maxq, sym, scale_dtype)
     if not mse:
         return scale, zero
 
@@ -140,7 +145,8 @@ def find_params(x, maxq: int, sym: bool, scale_dtype=jnp.float16, mse: bool = Fa
 
     def body(i, c):
         best, s0, z0 = c
-        s1, z1 = _minmax(x, maxq, sym, scale_dtype, shrink=1.0 - i / MSE_GRID)
+        p = 1.0 - i / MSE_GRID
+        s1, z1 = _grid(p * xmin, p * xmax, maxq, sym, scale_dtype)
         e = err(s1, z1)
         better = e < best
         return jnp.where(better, e, best), jnp.where(better, s1, s0), jnp.where(better, z1, z0)
