@@ -43,11 +43,13 @@ test: install
 	$(BIN)/python -m amdllm.course build
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=15 tests
 
-# the suite with the CPU backend off and no C or C++ compiler on PATH: the core alone (.ci/run runs both)
+# the suite with the CPU backend off and no C or C++ compiler on PATH: the core alone (.ci/run runs both).
+# The lessons on the real model (tests/test_course_real.py) run once, in `make test`: they exercise no
+# backend code that the default model's lessons do not, and are the slowest file of the suite.
 test-core: install
 	$(BIN)/python -m amdllm.course build
 	AMDLLM_BACKEND=off .ci/without_compiler $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile \
-	    --durations=15 tests
+	    --durations=15 --ignore=tests/test_course_real.py tests
 
 model: install
 	$(BIN)/python -m amdllm.course build --force

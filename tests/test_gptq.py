@@ -16,7 +16,7 @@ from amdllm.quant import GPTQError, QuantSpec, gptq_quantize, reconstruction_err
 # group params are read from W (as the block starts), as the reference and GPTQModel do and we do;
 # False reads them from W1 (the columns as the block's own updates left them).
 # ------------------------------------------------------------------------------------------------
-def ref_find_params(x, maxq, sym, mse=False):
+def ref_find_params(x, maxq, sym, mse=False, colw=None):
     tmp = torch.zeros(x.shape[0])
     xmin = torch.minimum(x.min(1)[0], tmp)
     xmax = torch.maximum(x.max(1)[0], tmp)
@@ -29,10 +29,10 @@ def ref_find_params(x, maxq, sym, mse=False):
     xmin[tmp] = -1
     xmax[tmp] = +1
     scale = (xmax - xmin) / maxq
-    # the one addition to the reference: scales are stored fp16, and we choose them as stored (see gptq.py)
+    # our first addition to the reference: scales are stored fp16, and we choose them as stored (see gptq.py)
     scale = torch.clamp(scale, min=6.2e-5).half().float()
     zero = torch.full_like(scale, (maxq + 1) / 2) if sym else torch.round(-xmin / scale)
-    if mse:  # the reference's search: grid 100, maxshrink 0.8, norm 2.4
+    if mse:  # the reference's search: grid 100, maxshrink 0.8, norm 2.4; `colw` weighs each column (gptq.py)
         best = torch.full([x.shape[0]], float("inf"))
         for i in range(int(0.8 * 100)):
             p = 1 - i / 100
@@ -40,7 +40,7 @@ def ref_find_params(x, maxq, sym, mse=False):
             scale1 = torch.clamp((xmax1 - xmin1) / maxq, min=6.2e-5).half().float()
             zero1 = torch.round(-xmin1 / scale1) if not sym else zero
             q = ref_quantize(x, scale1.unsqueeze(1), zero1.unsqueeze(1), maxq)
-            err = torch.sum((q - x).abs().pow(2.4), 1)
+            err = torch.sum((q - x).abs().pow(2.4) * (1.0 if colw is None else colw), 1)
             tmp = err < best
             if torch.any(tmp):
                 best[tmp], scale[tmp], zero[tmp] = err[tmp], scale1[tmp], zero1[tmp]
@@ -66,6 +66,7 @@ def ref_fasterquant(W, H, bits, groupsize, sym, actorder, static_groups, percdam
     H = torch.tensor(np.asarray(H), dtype=torch.float32).clone()
     maxq = 2 ** bits - 1
     columns = W.shape[1]
+    W_in = W.clone()
     scale, zero = ref_find_params(W, maxq, sym, mse)
     dead = torch.diag(H) == 0
     H[dead, dead] = 1
@@ -87,6 +88,16 @@ def ref_fasterquant(W, H, bits, groupsize, sym, actorder, static_groups, percdam
     H = torch.cholesky_inverse(H)
     H = torch.linalg.cholesky(H, upper=True)
     Hinv = H
+    colw = colw0 = None
+    if mse:  # our second addition: the search weighs column j's error by 1 / Hinv[j, j]^2.4, as the solve does
+        colw = torch.diag(Hinv) ** -2.4
+        colw0 = colw[invperm] if (actorder or gar) else colw
+        if groupsize == -1:
+            scale, zero = ref_find_params(torch.where(dead[None, :], 0.0, W_in), maxq, sym, mse, colw0)
+        if static_groups:
+            W0 = torch.where(dead[None, :], 0.0, W_in)
+            groups = [ref_find_params(W0[:, i:i + groupsize], maxq, sym, mse, colw0[i:i + groupsize])
+                      for i in range(0, columns, groupsize)]
     for i1 in range(0, columns, blocksize):
         i2 = min(i1 + blocksize, columns)
         count = i2 - i1
@@ -103,7 +114,8 @@ def ref_fasterquant(W, H, bits, groupsize, sym, actorder, static_groups, percdam
                     if (i1 + i) % groupsize == 0:
                         src = W[:, (i1 + i):(i1 + i + groupsize)] if quirk_a else \
                             torch.cat([W1[:, i:], W[:, i2:]], 1)[:, :groupsize]
-                        scale, zero = ref_find_params(src, maxq, sym, mse)
+                        scale, zero = ref_find_params(src, maxq, sym, mse,
+                                                      None if colw is None else colw[i1 + i:i1 + i + groupsize])
                 else:
                     idx = i1 + i
                     if actorder:

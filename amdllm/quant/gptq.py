@@ -130,18 +130,19 @@ def _grid(xmin, xmax, maxq: int, sym: bool, scale_dtype):
     return scale, zero
 
 
-def find_params(x, maxq: int, sym: bool, scale_dtype=jnp.float16, mse: bool = False):
+def find_params(x, maxq: int, sym: bool, scale_dtype=jnp.float16, mse: bool = False, colw=None):
     """x [N, n] -> per-row (scale [N], zero [N]) float32. The grid spans the row's range; with `mse`,
     the range shrunk by the factor (1, 0.99, ..., 0.21) whose grid rounds the row with the least
     sum |error|^2.4 (the reference quantizer's `mse` search: clipping a rare outlier can buy a finer
-    grid for all the other weights)."""
+    grid for all the other weights), each column's error times `colw` [n] where given."""
     xmin, xmax = _range(x, sym)
     scale, zero = _grid(xmin, xmax, maxq, sym, scale_dtype)
     if not mse:
         return scale, zero
 
     def err(s, z):
-        return jnp.sum(jnp.abs(fake_quant(x, s[:, None], z[:, None], maxq) - x) ** MSE_NORM, axis=1)
+        e = jnp.abs(fake_quant(x, s[:, None], z[:, None], maxq) - x) ** MSE_NORM
+        return jnp.sum(e if colw is None else e * colw[None, :], axis=1)
 
     def body(i, c):
         best, s0, z0 = c
@@ -242,11 +243,13 @@ def _gptq_core(W, U, dead, perm, *, maxq, sym, G, B, static_groups, scale_dtype,
     W = jnp.where(dead[None, :], 0.0, W)
     # preset grids, from the ORIGINAL column order before any update: per row over all K (G=-1), or
     # static groups; otherwise each group's is computed during the solve (see `block`)
+    dw0 = jnp.diag(U)[jnp.argsort(perm)] ** (-MSE_NORM)                        # [K], original order
     if G == -1:
-        s0, z0 = fp(W)
+        s0, z0 = fp(W, colw=dw0)
         col_s, col_z = jnp.broadcast_to(s0[None, :], (K, N)), jnp.broadcast_to(z0[None, :], (K, N))
     elif static_groups:
-        ss, zz = jax.vmap(fp)(W.reshape(N, K // G, G).transpose(1, 0, 2))     # [n_g, N]
+        ss, zz = jax.vmap(lambda a, c: fp(a, colw=c))(W.reshape(N, K // G, G).transpose(1, 0, 2),
+                                                      dw0.reshape(K // G, G))    # [n_g, N]
         col_s, col_z = ss[jnp.arange(K) // G], zz[jnp.arange(K) // G]
     else:
         col_s = col_z = jnp.ones((K, N), jnp.float32)
@@ -259,6 +262,10 @@ def _gptq_core(W, U, dead, perm, *, maxq, sym, G, B, static_groups, scale_dtype,
         U = jnp.pad(U, ((0, Kp - K), (0, Kp - K))) + jnp.diag(jnp.arange(Kp) >= K).astype(U.dtype)
         col_s, col_z = (jnp.pad(a, ((0, Kp - K), (0, 0)), constant_values=1.0) for a in (col_s, col_z))
     rows = jnp.arange(Kp)
+    # the grid search weighs column j's rounding error by 1 / U_jj^2.4: the solve charges e_j as
+    # (e_j / U_jj)^2, so a column the later ones can barely correct counts for more (the reference
+    # quantizer weighs all columns alike)
+    dw = jnp.diag(U) ** (-MSE_NORM)                                           # [Kp]
 
     def block(carry, i1):
         Wt, s, z = carry
@@ -269,11 +276,13 @@ def _gptq_core(W, U, dead, perm, *, maxq, sym, G, B, static_groups, scale_dtype,
         # a group's grid comes from its columns as they stand when its block starts: after the earlier
         # blocks' updates, before this block's own (the reference's rule, and GPTQModel's)
         if not preset and G >= B:  # a group spans whole blocks: chosen at its first, carried on
-            s, z = jax.lax.cond(i1 % G == 0, lambda: fp(jax.lax.dynamic_slice_in_dim(Wt, i1, G, axis=0).T),
+            s, z = jax.lax.cond(i1 % G == 0, lambda: fp(jax.lax.dynamic_slice_in_dim(Wt, i1, G, axis=0).T,
+                                                         colw=jax.lax.dynamic_slice_in_dim(dw, i1, G)),
                                 lambda: (s, z))
             cs, cz = jnp.broadcast_to(s[None, :], (B, N)), jnp.broadcast_to(z[None, :], (B, N))
         elif not preset:           # B // G groups in this block, each from the block's rows as they are now
-            gs, gz = jax.vmap(fp)(W1.reshape(B // G, G, N).transpose(0, 2, 1))  # [B // G, N]
+            gs, gz = jax.vmap(lambda a, c: fp(a, colw=c))(W1.reshape(B // G, G, N).transpose(0, 2, 1),
+                                                          jax.lax.dynamic_slice_in_dim(dw, i1, B).reshape(B // G, G))
             cs, cz = jnp.repeat(gs, G, axis=0), jnp.repeat(gz, G, axis=0)
         Q1, C1, E1 = _solve_block(W1, U1, cs, cz, maxq=maxq)
         S1, Z1 = cs, cz
