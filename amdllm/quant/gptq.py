@@ -243,7 +243,11 @@ def _gptq_core(W, U, dead, perm, *, maxq, sym, G, B, static_groups, scale_dtype,
     W = jnp.where(dead[None, :], 0.0, W)
     # preset grids, from the ORIGINAL column order before any update: per row over all K (G=-1), or
     # static groups; otherwise each group's is computed during the solve (see `block`)
-    dw0 = jnp.diag(U)[jnp.argsort(perm)] ** (-MSE_NORM)                        # [K], original order
+    # the grid search weighs column j's rounding error by 1 / U_jj^2.4: the solve charges e_j as
+    # (e_j / U_jj)^2, so a column the later ones can barely correct counts for more (the reference
+    # quantizer weighs all columns alike)
+    dw, inv = jnp.diag(U) ** (-MSE_NORM), jnp.argsort(perm)                   # [K] for the permuted columns
+    dw0 = dw[inv]                                                             # [K], original order
     if G == -1:
         s0, z0 = fp(W, colw=dw0)
         col_s, col_z = jnp.broadcast_to(s0[None, :], (K, N)), jnp.broadcast_to(z0[None, :], (K, N))
@@ -261,11 +265,8 @@ def _gptq_core(W, U, dead, perm, *, maxq, sym, G, B, static_groups, scale_dtype,
         Wt = jnp.pad(Wt, ((0, Kp - K), (0, 0)))
         U = jnp.pad(U, ((0, Kp - K), (0, Kp - K))) + jnp.diag(jnp.arange(Kp) >= K).astype(U.dtype)
         col_s, col_z = (jnp.pad(a, ((0, Kp - K), (0, 0)), constant_values=1.0) for a in (col_s, col_z))
+        dw = jnp.pad(dw, (0, Kp - K), constant_values=1.0)
     rows = jnp.arange(Kp)
-    # the grid search weighs column j's rounding error by 1 / U_jj^2.4: the solve charges e_j as
-    # (e_j / U_jj)^2, so a column the later ones can barely correct counts for more (the reference
-    # quantizer weighs all columns alike)
-    dw = jnp.diag(U) ** (-MSE_NORM)                                           # [Kp]
 
     def block(carry, i1):
         Wt, s, z = carry
@@ -294,7 +295,6 @@ def _gptq_core(W, U, dead, perm, *, maxq, sym, G, B, static_groups, scale_dtype,
 
     ones = jnp.ones((N,), jnp.float32)
     _, (*outs, e2) = jax.lax.scan(block, (Wt, ones, ones), jnp.arange(0, Kp, B))
-    inv = jnp.argsort(perm)
     Q, C, S, Z = (o.reshape(Kp, N)[:K][inv].T for o in outs)  # original order, [N, K]
     return Q, C, S, Z, e2, jnp.sum(jnp.square(W - Q))
 
